@@ -1,0 +1,3 @@
+"""Version of lightning_memopt (read by setup.cfg without importing the package)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,246 @@
+"""`FaceDataModule`: the loaders, augmentation and batch format shared by every face datamodule.
+
+Batches are ``(images, labels)``: ``images`` float32 [B, 3, H, W] normalised to [-1, 1] as in
+insightface (``(x / 255 - 0.5) / 0.5``), ``labels`` int64 [B] in ``[0, num_classes)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from omegaconf import Container, OmegaConf
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_memopt.data.augment import FaceAugmentation
+
+_AUGMENTATION_KEYS = tuple(inspect.signature(FaceAugmentation).parameters)
+
+
+def to_face_tensor(image: np.ndarray) -> Tensor:
+    """Convert one HWC uint8 RGB image to a CHW float32 tensor in [-1, 1].
+
+    Args:
+        image: array of shape [H, W, 3] and dtype uint8 (a read-only memmap slice is fine).
+
+    Example::
+
+        >>> to_face_tensor(np.array([[[0, 255, 51]]], dtype=np.uint8)).flatten().tolist()
+        [-1.0, 1.0, -0.6000000238418579]
+    """
+    tensor = torch.from_numpy(np.array(image, dtype=np.uint8, copy=True)).permute(2, 0, 1)
+    return (tensor.float() / 255.0 - 0.5) / 0.5
+
+
+def split_per_identity(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split sample indices into train and validation, separately within every identity.
+
+    Each identity with ``n`` samples gives ``round(n * val_fraction)`` of them, chosen at random
+    from ``seed``, to validation, but always keeps at least one for training. Both index arrays
+    come back sorted, so samples keep their on-disk order.
+
+    Args:
+        labels: int array [N], the identity of every sample.
+        val_fraction: fraction in [0, 1) of each identity's samples that go to validation.
+        seed: seed of the random choice; the same labels and seed give the same split.
+
+    Raises:
+        ValueError: ``val_fraction`` is outside [0, 1).
+
+    Example::
+
+        >>> train, val = split_per_identity(np.array([0, 0, 0, 0, 1, 1]), val_fraction=0.5, seed=0)
+        >>> len(train), len(val)
+        (3, 3)
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction!r}")
+    labels = np.asarray(labels, dtype=np.int64)
+    if val_fraction == 0.0 or labels.size == 0:
+        return np.arange(labels.size), np.empty(0, dtype=np.int64)
+    # Group samples by identity with a random order inside each group, then send the first
+    # `n_val` of every group to validation.
+    order = np.lexsort((np.random.default_rng(seed).random(labels.size), labels))
+    sorted_labels = labels[order]
+    _, group_start, counts = np.unique(sorted_labels, return_index=True, return_counts=True)
+    n_val = np.minimum(np.rint(counts * val_fraction), counts - 1).astype(np.int64)
+    group = np.repeat(np.arange(counts.size), counts)
+    rank = np.arange(labels.size) - group_start[group]
+    is_val = np.zeros(labels.size, dtype=bool)
+    is_val[order] = rank < n_val[group]
+    return np.flatnonzero(~is_val), np.flatnonzero(is_val)
+
+
+def _as_augmentation(value: FaceAugmentation | Mapping[str, Any] | None) -> FaceAugmentation | None:
+    """Accept an augmentation, a mapping of its arguments (as Hydra passes it) or None."""
+    if value is None or isinstance(value, FaceAugmentation):
+        return value
+    if isinstance(value, Mapping):
+        unknown = sorted(str(key) for key in value if key not in _AUGMENTATION_KEYS)
+        if unknown:
+            raise ValueError(
+                f"`augmentation` got unknown keys {unknown!r}; valid keys are {list(_AUGMENTATION_KEYS)!r}"
+            )
+        return FaceAugmentation(**{str(key): item for key, item in value.items()})
+    raise TypeError(
+        f"`augmentation` must be a FaceAugmentation, a dict of its arguments or None, got {value!r}"
+    )
+
+
+class _AugmentedDataset(Dataset):
+    """Apply an augmentation to the image of every ``(image, label)`` sample of a dataset."""
+
+    def __init__(self, dataset: Dataset, augmentation: FaceAugmentation) -> None:
+        self.dataset = dataset
+        self.augmentation = augmentation
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        image, label = self.dataset[index]
+        return self.augmentation(image), label
+
+
+class FaceDataModule(LightningDataModule):
+    """Base of the face-recognition datamodules: loaders, augmentation and hyperparameters.
+
+    A subclass sets ``num_classes`` in its ``__init__`` (after calling this one) and implements
+    ``_build_datasets()``, returning ``(train, val)`` datasets of ``(CHW image in [-1, 1], label)``
+    samples (``val`` may be None). Datasets are built once, on the first ``setup()``. The
+    constructor arguments of the subclass are saved as hyperparameters, the augmentation in its
+    dict form, so a checkpoint can rebuild the datamodule.
+
+    Args:
+        batch_size: training batch size, at least 1.
+        val_batch_size: validation batch size; ``None`` means ``batch_size``.
+        num_workers: DataLoader worker processes, at least 0.
+        pin_memory: pin batches in page-locked memory (faster host-to-GPU copies).
+        persistent_workers: keep workers alive between epochs; needs ``num_workers > 0``.
+        augmentation: training augmentation, as a ``FaceAugmentation``, a dict of its arguments,
+            or ``None`` for none. Validation data is never augmented.
+        drop_last: drop the last incomplete training batch.
+
+    Raises:
+        ValueError: an argument is out of range, or ``augmentation`` has unknown keys.
+        TypeError: ``augmentation`` has an unsupported type.
+
+    Example::
+
+        >>> from lightning_memopt.data import SyntheticFaceDataModule
+        >>> dm = SyntheticFaceDataModule(num_classes=2, samples_per_class=4, image_size=16, batch_size=4)
+        >>> images, labels = next(iter(dm.train_dataloader()))
+        >>> images.shape, labels.dtype
+        (torch.Size([4, 3, 16, 16]), torch.int64)
+    """
+
+    num_classes: int
+
+    def __init__(
+        self,
+        batch_size: int = 128,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        augmentation: FaceAugmentation | Mapping[str, Any] | None = None,
+        drop_last: bool = True,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"`batch_size` must be at least 1, got {batch_size!r}")
+        if val_batch_size is not None and val_batch_size < 1:
+            raise ValueError(f"`val_batch_size` must be at least 1 or None, got {val_batch_size!r}")
+        if num_workers < 0:
+            raise ValueError(f"`num_workers` must be at least 0, got {num_workers!r}")
+        if persistent_workers and num_workers == 0:
+            raise ValueError(
+                f"`persistent_workers={persistent_workers!r}` needs worker processes, but `num_workers` is 0;"
+                " set `num_workers` > 0 or `persistent_workers=False`"
+            )
+        self.batch_size = batch_size
+        self.val_batch_size = batch_size if val_batch_size is None else val_batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.persistent_workers = persistent_workers
+        self.augmentation = _as_augmentation(augmentation)
+        self.drop_last = drop_last
+        self._train_dataset: Dataset | None = None
+        self._val_dataset: Dataset | None = None
+        self._save_init_hyperparameters(inspect.currentframe())
+
+    def _save_init_hyperparameters(self, frame: Any) -> None:
+        # Lightning collects the arguments of every `__init__` up the subclass chain from this
+        # frame. Hydra containers become plain lists/dicts and the augmentation its dict, so
+        # hparams.yaml and checkpoints hold no custom objects.
+        self.save_hyperparameters(ignore=["augmentation"], frame=frame)
+        hparams = {
+            key: OmegaConf.to_container(value, resolve=True) if isinstance(value, Container) else value
+            for key, value in self.hparams.items()
+        }
+        hparams["augmentation"] = None if self.augmentation is None else self.augmentation.to_dict()
+        self.save_hyperparameters(hparams, frame=frame)
+
+    def _build_datasets(self) -> tuple[Dataset, Dataset | None]:
+        """Return the ``(train, val)`` datasets; ``val`` is None when there is no validation data."""
+        raise NotImplementedError(f"{type(self).__name__} must implement `_build_datasets()`")
+
+    def setup(self, stage: str | None = None) -> None:
+        """Build the datasets on the first call; later calls do nothing."""
+        if self._train_dataset is not None:
+            return
+        train, val = self._build_datasets()
+        if self.augmentation is not None and not self.augmentation.is_identity:
+            train = _AugmentedDataset(train, self.augmentation)
+        self._train_dataset, self._val_dataset = train, val
+
+    @property
+    def train_dataset(self) -> Dataset:
+        """The training dataset (augmented when an augmentation is set); builds it if needed."""
+        self.setup()
+        assert self._train_dataset is not None
+        return self._train_dataset
+
+    @property
+    def val_dataset(self) -> Dataset | None:
+        """The validation dataset, or None when there is no validation data; builds it if needed."""
+        self.setup()
+        return self._val_dataset
+
+    def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool, drop_last: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.persistent_workers,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches.
+
+        Raises:
+            ValueError: ``drop_last`` is set and the training set is smaller than one batch.
+        """
+        dataset = self.train_dataset
+        size = len(dataset)  # type: ignore[arg-type]
+        if self.drop_last and size < self.batch_size:
+            raise ValueError(
+                f"the training set has {size} samples, fewer than `batch_size`={self.batch_size!r}, so"
+                " `drop_last=True` would leave no batch; lower `batch_size` or set `drop_last=False`"
+            )
+        return self._loader(dataset, self.batch_size, shuffle=True, drop_last=self.drop_last)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation batches in order, or ``[]`` (no validation) when there is no validation data."""
+        dataset = self.val_dataset
+        if dataset is None:
+            return []
+        return self._loader(dataset, self.val_batch_size, shuffle=False, drop_last=False)

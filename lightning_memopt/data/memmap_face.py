@@ -1,0 +1,261 @@
+"""The memmap face format (raw uint8 pixels + labels + meta), its validation and its datamodule.
+
+A dataset is a directory of three files:
+
+- ``images.u8``: raw uint8 pixels, N×H×W×3, row-major (read with ``numpy.memmap``);
+- ``labels.npy``: int64 [N], identities in ``[0, num_classes)``;
+- ``meta.json``: ``{"format": "lightning_memopt.faces.v1", "count": N, "height": H, "width": W,
+  "channels": 3, "num_classes": C}``.
+
+``memopt-pack-faces`` (``lightning_memopt.data.pack``) writes it from an image folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from lightning_memopt.data.face_datamodule import FaceDataModule, split_per_identity, to_face_tensor
+
+FORMAT = "lightning_memopt.faces.v1"
+IMAGES_FILE = "images.u8"
+LABELS_FILE = "labels.npy"
+META_FILE = "meta.json"
+_META_INTS = ("count", "height", "width", "channels", "num_classes")
+
+
+def make_meta(count: int, height: int, width: int, num_classes: int) -> dict[str, Any]:
+    """The ``meta.json`` content of a dataset of ``count`` RGB images of ``height`` × ``width``.
+
+    Example::
+
+        >>> make_meta(count=10, height=112, width=112, num_classes=2)["format"]
+        'lightning_memopt.faces.v1'
+    """
+    return {
+        "format": FORMAT,
+        "count": count,
+        "height": height,
+        "width": width,
+        "channels": 3,
+        "num_classes": num_classes,
+    }
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and check the ``meta.json`` of the memmap dataset in directory ``path``.
+
+    Raises:
+        FileNotFoundError: ``meta.json`` is missing.
+        ValueError: it is not JSON, has the wrong ``format`` tag, misses keys or has bad values.
+    """
+    file = os.path.join(os.fspath(path), META_FILE)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"memmap face dataset file {file!r} is missing")
+    try:
+        with open(file, encoding="utf-8") as stream:
+            meta = json.load(stream)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot read {file!r} as JSON: {error}") from error
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file!r} must hold a JSON object, got {type(meta).__name__}")
+    missing = [key for key in ("format", *_META_INTS) if key not in meta]
+    if missing:
+        raise ValueError(f"{file!r} misses keys {missing!r}; expected keys {['format', *_META_INTS]!r}")
+    if meta["format"] != FORMAT:
+        raise ValueError(f"{file!r} has `format` {meta['format']!r}; expected {FORMAT!r}")
+    for key in _META_INTS:
+        value = meta[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{file!r} has `{key}` {value!r}; expected a positive integer")
+    if meta["channels"] != 3:
+        raise ValueError(f"{file!r} has `channels` {meta['channels']!r}; only 3 (RGB) is supported")
+    return meta
+
+
+def read_labels(path: str | os.PathLike[str], meta: dict[str, Any]) -> np.ndarray:
+    """Read ``labels.npy`` of the dataset in ``path`` and check it against ``meta``.
+
+    Raises:
+        FileNotFoundError: ``labels.npy`` is missing.
+        ValueError: unreadable, not 1-D integers, wrong length, or labels outside ``[0, num_classes)``.
+    """
+    file = os.path.join(os.fspath(path), LABELS_FILE)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"memmap face dataset file {file!r} is missing")
+    try:
+        labels = np.load(file, allow_pickle=False)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read {file!r} as a .npy array: {error}") from error
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(
+            f"{file!r} must hold a 1-D integer array, got {labels.dtype} of shape {labels.shape}"
+        )
+    if labels.shape[0] != meta["count"]:
+        raise ValueError(f"{file!r} has {labels.shape[0]} labels but meta.json says `count` {meta['count']}")
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0 or high >= meta["num_classes"]:
+        raise ValueError(
+            f"{file!r} has labels in [{low}, {high}], outside [0, {meta['num_classes']}) given by"
+            " meta.json `num_classes`"
+        )
+    return labels.astype(np.int64, copy=False)
+
+
+def check_images(path: str | os.PathLike[str], meta: dict[str, Any]) -> str:
+    """Check that ``images.u8`` of the dataset in ``path`` has the size ``meta`` implies; return its path.
+
+    Raises:
+        FileNotFoundError: ``images.u8`` is missing.
+        ValueError: its byte size is not ``count * height * width * 3``.
+    """
+    file = os.path.join(os.fspath(path), IMAGES_FILE)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"memmap face dataset file {file!r} is missing")
+    shape = (meta["count"], meta["height"], meta["width"], meta["channels"])
+    expected = int(np.prod(shape))
+    actual = os.path.getsize(file)
+    if actual != expected:
+        raise ValueError(
+            f"{file!r} has {actual} bytes but meta.json describes uint8 images of shape {shape} ="
+            f" {expected} bytes; the file is truncated or does not match meta.json"
+        )
+    return file
+
+
+class MemmapFaceDataset(Dataset):
+    """Face images read from an ``images.u8`` memmap; a sample is ``(CHW float in [-1, 1], label)``.
+
+    The memmap is opened lazily, on the first read in each process, and never pickled, so
+    DataLoader workers each map the file themselves.
+
+    Args:
+        images_file: the ``images.u8`` file.
+        shape: its ``(count, height, width)``.
+        labels: int64 [count], the label of every image in the file.
+        indices: the rows of the file this dataset holds, in order (default: all).
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     file = os.path.join(folder, "images.u8")
+        ...     np.full((2, 4, 4, 3), 255, dtype=np.uint8).tofile(file)
+        ...     image, label = MemmapFaceDataset(file, (2, 4, 4), np.array([0, 1]))[1]
+        >>> image.shape, float(image.max()), label
+        (torch.Size([3, 4, 4]), 1.0, 1)
+    """
+
+    def __init__(
+        self,
+        images_file: str,
+        shape: tuple[int, int, int],
+        labels: np.ndarray,
+        indices: np.ndarray | None = None,
+    ) -> None:
+        self.images_file = images_file
+        self.shape = tuple(shape)
+        self.indices = np.arange(shape[0]) if indices is None else np.asarray(indices, dtype=np.int64)
+        self.labels = np.asarray(labels, dtype=np.int64)[self.indices]
+        self._images: np.memmap | None = None
+
+    def __len__(self) -> int:
+        return int(self.indices.size)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_images"] = None  # each process maps the file itself
+        return state
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        if self._images is None:
+            self._images = np.memmap(self.images_file, dtype=np.uint8, mode="r", shape=(*self.shape, 3))
+        return to_face_tensor(self._images[self.indices[index]]), int(self.labels[index])
+
+
+class MemmapFaceDataModule(FaceDataModule):
+    """Face-recognition data from the memmap format: the fast path for large datasets.
+
+    The directory is validated in ``__init__`` (files present, meta.json well-formed, image bytes
+    and label count matching it, labels in range); images are read from a lazily opened memmap.
+
+    Args:
+        path: the dataset directory (``images.u8``, ``labels.npy``, ``meta.json``).
+        num_classes: expected number of identities (checked against meta.json), or None to take it.
+        image_size: expected height and width (checked against meta.json), or None to take them;
+            configs set it so that a model config can read ``${data.image_size}``.
+        val_fraction: fraction in [0, 1) of each identity's images held out for validation,
+            chosen at random from ``seed``.
+        seed: seed of the train/validation split.
+        **kwargs: loader arguments of ``FaceDataModule`` (``batch_size``, ``augmentation`` …).
+
+    Raises:
+        FileNotFoundError: ``path`` or one of its files is missing.
+        ValueError: a file does not match the format, ``num_classes`` or ``image_size`` differs
+            from meta.json, or an argument is out of range.
+
+    Example::
+
+        >>> import tempfile
+        >>> from lightning_memopt.data.pack import pack_image_folder
+        >>> from PIL import Image
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     for name in ("alice", "bob"):
+        ...         os.makedirs(os.path.join(tmp, "faces", name))
+        ...         Image.new("RGB", (16, 16)).save(os.path.join(tmp, "faces", name, "0.png"))
+        ...     _ = pack_image_folder(os.path.join(tmp, "faces"), os.path.join(tmp, "packed"))
+        ...     dm = MemmapFaceDataModule(os.path.join(tmp, "packed"), batch_size=2)
+        ...     images, labels = next(iter(dm.train_dataloader()))
+        >>> dm.num_classes, images.shape
+        (2, torch.Size([2, 3, 16, 16]))
+    """
+
+    def __init__(
+        self,
+        path: str,
+        num_classes: int | None = None,
+        image_size: int | None = None,
+        val_fraction: float = 0.0,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction!r}")
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise FileNotFoundError(
+                f"memmap face dataset `path` {self.path!r} does not exist or is not a directory"
+            )
+        self.meta = read_meta(self.path)
+        self.images_file = check_images(self.path, self.meta)
+        self.labels = read_labels(self.path, self.meta)
+        meta_file = os.path.join(self.path, META_FILE)
+        if num_classes is not None and num_classes != self.meta["num_classes"]:
+            raise ValueError(
+                f"`num_classes`={num_classes!r} but {meta_file!r} says {self.meta['num_classes']} identities;"
+                " set `num_classes` to that count or to None"
+            )
+        height, width = self.meta["height"], self.meta["width"]
+        if image_size is not None and (image_size, image_size) != (height, width):
+            raise ValueError(
+                f"`image_size`={image_size!r} but {meta_file!r} describes {height}x{width} images;"
+                " set `image_size` to match or to None"
+            )
+        self.num_classes = self.meta["num_classes"]
+        self.image_size = height if height == width else None
+        self.val_fraction = val_fraction
+        self.seed = seed
+
+    def _build_datasets(self) -> tuple[Dataset, Dataset | None]:
+        shape = (self.meta["count"], self.meta["height"], self.meta["width"])
+        train_index, val_index = split_per_identity(self.labels, self.val_fraction, self.seed)
+        train = MemmapFaceDataset(self.images_file, shape, self.labels, train_index)
+        if val_index.size == 0:
+            return train, None
+        return train, MemmapFaceDataset(self.images_file, shape, self.labels, val_index)

@@ -1,0 +1,140 @@
+"""LightningModule for face recognition: an IResNet embedding trained with a margin softmax."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_memopt.losses import CombinedMarginLoss, PartialFC
+from lightning_memopt.models import create_model
+from lightning_memopt.tasks.lr_schedule import warmup_decay
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+class FaceRecognitionModule(LightningModule):
+    """Train a face-embedding backbone with ArcFace / CosFace / SphereFace margins and Partial FC.
+
+    Batches are ``(images, labels)``. The margin head and the loss run in fp32 under mixed
+    precision. Logs ``train/loss``, ``train/acc`` and, with validation data, ``val/loss``, ``val/acc``.
+
+    Args:
+        num_classes: number of identities in the training set.
+        backbone: a preset name from :func:`lightning_memopt.models.list_models`.
+        backbone_options: keyword overrides for the preset (e.g. ``{"input_size": 32}``).
+        margin_list: ``(m1, m2, m3)`` of :class:`CombinedMarginLoss`.
+        scale: logit scale ``s``.
+        sample_rate: Partial FC sampling rate in (0, 1]; 1 is the full softmax.
+        optimizer: ``"sgd"`` (momentum) or ``"adamw"``.
+        lr: peak learning rate.
+        momentum: SGD momentum.
+        weight_decay: weight decay of every parameter.
+        betas: AdamW betas.
+        warmup_steps: linear warm-up length in optimizer steps.
+        schedule: ``"polynomial"``, ``"cosine"`` or ``"constant"`` after the warm-up.
+        power: exponent of the polynomial decay.
+        clip_backbone_only: apply the Trainer's ``gradient_clip_val`` to the backbone parameters only
+            (as the reference training does); ``False`` clips every parameter.
+
+    Raises:
+        ValueError: for an unknown ``optimizer`` or a bad loss argument.
+
+    Example::
+
+        >>> module = FaceRecognitionModule(num_classes=10, backbone="iresnet_tiny")
+        >>> images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+        >>> module.training_step((images, labels), 0).shape
+        torch.Size([])
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        backbone: str = "r18",
+        backbone_options: Mapping[str, Any] | None = None,
+        margin_list: Sequence[float] = (1.0, 0.5, 0.0),
+        scale: float = 64.0,
+        sample_rate: float = 1.0,
+        optimizer: str = "sgd",
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        betas: Sequence[float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        schedule: str = "polynomial",
+        power: float = 2.0,
+        clip_backbone_only: bool = True,
+    ) -> None:
+        super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"Unknown `optimizer`={optimizer!r}; valid choices: {', '.join(OPTIMIZERS)}")
+        self.save_hyperparameters()
+        self.backbone = create_model(backbone, **dict(backbone_options or {}))
+        self.head = PartialFC(
+            num_classes=num_classes,
+            embedding_size=self.backbone.embedding_size,
+            sample_rate=sample_rate,
+            margin_loss=CombinedMarginLoss(margin_list, scale),
+        )
+
+    @override
+    def forward(self, images: Tensor) -> Tensor:
+        """Face embeddings (not normalised) of a batch of images."""
+        return self.backbone(images)
+
+    def loss_and_accuracy(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """Margin-softmax loss and top-1 accuracy over the classes the head scored."""
+        images, labels = batch
+        loss, cosine, target = self.head(self.backbone(images), labels)
+        accuracy = (cosine.argmax(dim=1) == target).float().mean()
+        return loss, accuracy
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss, accuracy = self.loss_and_accuracy(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/acc", accuracy)
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss, accuracy = self.loss_and_accuracy(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/acc", accuracy, sync_dist=True)
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
+        hp = self.hparams
+        optimizer: torch.optim.Optimizer
+        if hp.optimizer == "sgd":
+            optimizer = torch.optim.SGD(
+                self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay
+            )
+        else:
+            optimizer = torch.optim.AdamW(
+                self.parameters(), lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay
+            )
+        total_steps = int(self.trainer.estimated_stepping_batches)
+        factor = warmup_decay(total_steps, hp.warmup_steps, hp.schedule, hp.power)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: int | float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        if not self.hparams.clip_backbone_only or gradient_clip_val is None:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        elif gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(self.backbone.parameters(), gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.backbone.parameters(), gradient_clip_val)

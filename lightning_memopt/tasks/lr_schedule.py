@@ -1,0 +1,43 @@
+"""Per-step learning-rate factors: linear warm-up, then polynomial or cosine decay."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+SCHEDULES = ("polynomial", "cosine", "constant")
+
+
+def warmup_decay(
+    total_steps: int, warmup_steps: int = 0, schedule: str = "polynomial", power: float = 2.0
+) -> Callable[[int], float]:
+    """Return ``step -> factor`` for :class:`torch.optim.lr_scheduler.LambdaLR`.
+
+    The factor rises linearly from ``1/warmup_steps`` to 1 over the warm-up, then decays to 0 at
+    ``total_steps`` as ``(1 − progress)^power`` (polynomial) or ``½(1 + cos(π·progress))`` (cosine).
+
+    Raises:
+        ValueError: for an unknown ``schedule`` or ``warmup_steps`` outside ``[0, total_steps)``.
+
+    Example::
+
+        >>> factor = warmup_decay(total_steps=10, warmup_steps=2, schedule="polynomial", power=1.0)
+        >>> [round(factor(s), 3) for s in (0, 1, 2, 6, 10)]
+        [0.5, 1.0, 1.0, 0.5, 0.0]
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"Unknown `schedule`={schedule!r}; valid choices: {', '.join(SCHEDULES)}")
+    if not 0 <= warmup_steps < max(total_steps, 1):
+        raise ValueError(f"`warmup_steps`={warmup_steps!r} must be in [0, total_steps={total_steps})")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return (1.0 - progress) ** power
+
+    return factor

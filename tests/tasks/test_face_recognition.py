@@ -1,0 +1,99 @@
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memopt.tasks import FaceRecognitionModule
+
+
+def _clustered_faces(num_classes=4, per_class=8, size=32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    prototypes = torch.rand(num_classes, 3, size, size, generator=generator) * 2 - 1
+    labels = torch.arange(num_classes).repeat_interleave(per_class)
+    images = prototypes[labels] + 0.1 * torch.randn(len(labels), 3, size, size, generator=generator)
+    return TensorDataset(images.clamp(-1, 1), labels)
+
+
+def _trainer(tmp_path, **kwargs):
+    options = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+def _module(**kwargs):
+    options = dict(num_classes=4, backbone="iresnet_tiny", lr=0.05, scale=16.0, margin_list=(1.0, 0.2, 0.0))
+    options.update(kwargs)
+    return FaceRecognitionModule(**options)
+
+
+def _mean_loss(module, data):
+    module.eval()
+    with torch.no_grad():
+        loss = torch.stack([module.loss_and_accuracy(batch)[0] for batch in data]).mean()
+    module.train()
+    return loss
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_training_lowers_the_loss_on_learnable_identities(tmp_path, optimizer):
+    pl.seed_everything(0)
+    data = DataLoader(_clustered_faces(), batch_size=16, shuffle=True)
+    module = _module(optimizer=optimizer, lr=0.05 if optimizer == "sgd" else 2e-3, schedule="constant")
+    before = _mean_loss(module, data)
+    _trainer(tmp_path, max_epochs=15, gradient_clip_val=5.0).fit(module, data)
+    after = _mean_loss(module, data)
+    assert after < 0.5 * before
+
+
+def test_validation_logs_loss_and_accuracy(tmp_path):
+    data = DataLoader(_clustered_faces(), batch_size=8)
+    trainer = _trainer(tmp_path, max_steps=2, val_check_interval=2, limit_val_batches=2)
+    trainer.fit(_module(), data, data)
+    assert {"train/loss", "train/acc", "val/loss", "val/acc"} <= set(trainer.callback_metrics)
+    assert 0.0 <= float(trainer.callback_metrics["val/acc"]) <= 1.0
+
+
+def test_scheduler_steps_per_optimizer_step_with_warmup(tmp_path):
+    data = DataLoader(_clustered_faces(), batch_size=8)
+    module = _module(lr=0.1, warmup_steps=2, schedule="polynomial", power=1.0)
+    trainer = _trainer(tmp_path, max_steps=4)
+    trainer.fit(module, data)
+    # after 4 steps of a 4-step run, the polynomial decay has reached 0
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0)
+    assert trainer.lr_scheduler_configs[0].interval == "step"
+
+
+def test_gradient_clipping_touches_only_the_backbone_by_default():
+    module = _module()
+    for p in module.parameters():
+        p.grad = torch.full_like(p, 10.0)
+    module.configure_gradient_clipping(None, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+    backbone_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.backbone.parameters()]))
+    assert backbone_norm == pytest.approx(1.0, rel=1e-4)
+    assert torch.all(module.head.weight.grad == 10.0)
+
+
+def test_checkpoint_restores_hyperparameters_and_weights(tmp_path):
+    data = DataLoader(_clustered_faces(), batch_size=8)
+    module = _module(sample_rate=0.5, margin_list=(1.0, 0.0, 0.4))
+    trainer = _trainer(tmp_path, max_steps=2)
+    trainer.fit(module, data)
+    path = tmp_path / "face.ckpt"
+    trainer.save_checkpoint(path)
+    restored = FaceRecognitionModule.load_from_checkpoint(path)
+    assert restored.hparams.sample_rate == 0.5 and restored.head.margin_loss.m3 == 0.4
+    for (name, a), (_, b) in zip(module.state_dict().items(), restored.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_bf16_mixed_keeps_the_loss_in_fp32(tmp_path):
+    module = _module()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = module.training_step((torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])), 0)
+    assert loss.dtype == torch.float32
+
+
+def test_unknown_optimizer_is_refused():
+    with pytest.raises(ValueError, match=r"Unknown `optimizer`='lamb'; valid choices: sgd, adamw"):
+        _module(optimizer="lamb")
