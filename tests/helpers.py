@@ -34,15 +34,16 @@ def run_memopt_train(args: list[str], cwd: Path, timeout: float = 600) -> subpro
     env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.run(
         [sys.executable, "-m", "lightning_memopt.train", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
-def write_face_folder(
-    root: Path, counts: dict[str, int], size: tuple[int, int] = (16, 16), seed: int = 0
-) -> Path:
-    """Write ``counts[name]`` random RGB PNGs of ``size`` (width, height) into ``root/name``.
-    """
+def write_face_folder(root: Path, counts: dict[str, int], size: tuple[int, int] = (16, 16), seed: int = 0) -> Path:
+    """Write ``counts[name]`` random RGB PNGs of ``size`` (width, height) into ``root/name``."""
     rng = np.random.default_rng(seed)
     for name, count in counts.items():
         (root / name).mkdir(parents=True)

@@ -42,7 +42,8 @@ def instantiate_named(group: DictConfig | None, what: str) -> list[Any]:
         [datetime.timedelta(days=1)]
     """
     objects = []
-    for name, entry in (group or {}).items():
+    for key, entry in (group or {}).items():
+        name = str(key)
         if entry is None:
             continue
         if not isinstance(entry, DictConfig) or "_target_" not in entry:

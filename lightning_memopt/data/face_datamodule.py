@@ -87,9 +87,7 @@ def _as_augmentation(value: FaceAugmentation | Mapping[str, Any] | None) -> Face
                 f"`augmentation` got unknown keys {unknown!r}; valid keys are {list(_AUGMENTATION_KEYS)!r}"
             )
         return FaceAugmentation(**{str(key): item for key, item in value.items()})
-    raise TypeError(
-        f"`augmentation` must be a FaceAugmentation, a dict of its arguments or None, got {value!r}"
-    )
+    raise TypeError(f"`augmentation` must be a FaceAugmentation, a dict of its arguments or None, got {value!r}")
 
 
 class _AugmentedDataset(Dataset):

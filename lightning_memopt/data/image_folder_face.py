@@ -63,9 +63,7 @@ def scan_image_folder(
             files = sorted(
                 entry.name
                 for entry in entries
-                if entry.is_file()
-                and not entry.name.startswith(".")
-                and entry.name.lower().endswith(suffixes)
+                if entry.is_file() and not entry.name.startswith(".") and entry.name.lower().endswith(suffixes)
             )
         if not files:
             raise ValueError(f"identity folder {folder!r} has no image files (extensions {list(suffixes)!r})")

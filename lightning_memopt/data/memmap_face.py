@@ -93,9 +93,7 @@ def read_labels(path: str | os.PathLike[str], meta: dict[str, Any]) -> np.ndarra
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot read {file!r} as a .npy array: {error}") from error
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(
-            f"{file!r} must hold a 1-D integer array, got {labels.dtype} of shape {labels.shape}"
-        )
+        raise ValueError(f"{file!r} must hold a 1-D integer array, got {labels.dtype} of shape {labels.shape}")
     if labels.shape[0] != meta["count"]:
         raise ValueError(f"{file!r} has {labels.shape[0]} labels but meta.json says `count` {meta['count']}")
     low, high = int(labels.min()), int(labels.max())
@@ -229,9 +227,7 @@ class MemmapFaceDataModule(FaceDataModule):
             raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction!r}")
         self.path = os.fspath(path)
         if not os.path.isdir(self.path):
-            raise FileNotFoundError(
-                f"memmap face dataset `path` {self.path!r} does not exist or is not a directory"
-            )
+            raise FileNotFoundError(f"memmap face dataset `path` {self.path!r} does not exist or is not a directory")
         self.meta = read_meta(self.path)
         self.images_file = check_images(self.path, self.meta)
         self.labels = read_labels(self.path, self.meta)

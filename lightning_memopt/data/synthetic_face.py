@@ -132,9 +132,7 @@ class SyntheticFaceDataModule(FaceDataModule):
         if val_samples_per_class < 0:
             raise ValueError(f"`val_samples_per_class` must be at least 0, got {val_samples_per_class!r}")
         if image_size < 16 or image_size % 16:
-            raise ValueError(
-                f"`image_size` must be a multiple of 16 and at least 16 (e.g. 112), got {image_size!r}"
-            )
+            raise ValueError(f"`image_size` must be a multiple of 16 and at least 16 (e.g. 112), got {image_size!r}")
         self.num_classes = num_classes
         self.samples_per_class = samples_per_class
         self.val_samples_per_class = val_samples_per_class

@@ -45,9 +45,7 @@ class PartialFC(nn.Module):
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"`sample_rate`={sample_rate!r} must be in (0, 1] (1.0 = full softmax, 0.1 = Partial FC)")
         if num_classes < 1 or embedding_size < 1:
-            raise ValueError(
-                f"`num_classes`={num_classes!r} and `embedding_size`={embedding_size!r} must both be >= 1"
-            )
+            raise ValueError(f"`num_classes`={num_classes!r} and `embedding_size`={embedding_size!r} must both be >= 1")
         self.num_classes = num_classes
         self.sample_rate = sample_rate
         self.num_sample = max(1, int(sample_rate * num_classes + 1e-9))  # ⌊rate · classes⌋, robust to 0.3 * 10

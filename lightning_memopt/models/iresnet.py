@@ -96,7 +96,7 @@ class IResNet(nn.Module):
         self.prelu = nn.PReLU(widths[0])
         stages = []
         in_channels = widths[0]
-        for num_blocks, width in zip(layers, widths):
+        for num_blocks, width in zip(layers, widths, strict=True):
             blocks = [IBasicBlock(in_channels, width, stride=2)]
             blocks += [IBasicBlock(width, width) for _ in range(num_blocks - 1)]
             stages.append(nn.Sequential(*blocks))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.pytorch import LightningModule
@@ -78,7 +78,7 @@ class FaceRecognitionModule(LightningModule):
         self.backbone = create_model(backbone, **dict(backbone_options or {}))
         self.head = PartialFC(
             num_classes=num_classes,
-            embedding_size=self.backbone.embedding_size,
+            embedding_size=cast(int, self.backbone.embedding_size),
             sample_rate=sample_rate,
             margin_loss=CombinedMarginLoss(margin_list, scale),
         )
@@ -110,12 +110,10 @@ class FaceRecognitionModule(LightningModule):
 
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        hp = self.hparams
+        hp: Any = self.hparams
         optimizer: torch.optim.Optimizer
         if hp.optimizer == "sgd":
-            optimizer = torch.optim.SGD(
-                self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay
-            )
+            optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
         else:
             optimizer = torch.optim.AdamW(
                 self.parameters(), lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay
@@ -132,7 +130,7 @@ class FaceRecognitionModule(LightningModule):
         gradient_clip_val: int | float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        if not self.hparams.clip_backbone_only or gradient_clip_val is None:
+        if not self.hparams["clip_backbone_only"] or gradient_clip_val is None:
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
         elif gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(self.backbone.parameters(), gradient_clip_val)

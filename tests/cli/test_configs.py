@@ -22,8 +22,19 @@ ALL_OPTIONS = [(group, option) for group in GROUPS for option in _options(group)
 
 
 def test_the_config_tree_has_the_documented_groups():
-    expected = {"model", "data", "strategy", "precision", "memopt", "trainer", "logger", "paths", "experiment",
-                "sweep", "debug"}
+    expected = {
+        "model",
+        "data",
+        "strategy",
+        "precision",
+        "memopt",
+        "trainer",
+        "logger",
+        "paths",
+        "experiment",
+        "sweep",
+        "debug",
+    }
     assert expected <= set(GROUPS)
     assert "none" in _options("memopt")
 
@@ -35,10 +46,22 @@ def data_overrides(tmp_path):
     write_face_folder(folder, {"alice": 2, "bob": 2}, size=(32, 32))
     pack_image_folder(folder, tmp_path / "packed")
     return {
-        "image_folder_face": [f"data.root={folder}", "data.num_classes=2", "data.batch_size=2",
-                              "data.num_workers=0", "data.pin_memory=false", "data.persistent_workers=false"],
-        "memmap_face": [f"data.path={tmp_path / 'packed'}", "data.num_classes=2", "data.batch_size=2",
-                        "data.num_workers=0", "data.pin_memory=false", "data.persistent_workers=false"],
+        "image_folder_face": [
+            f"data.root={folder}",
+            "data.num_classes=2",
+            "data.batch_size=2",
+            "data.num_workers=0",
+            "data.pin_memory=false",
+            "data.persistent_workers=false",
+        ],
+        "memmap_face": [
+            f"data.path={tmp_path / 'packed'}",
+            "data.num_classes=2",
+            "data.batch_size=2",
+            "data.num_workers=0",
+            "data.pin_memory=false",
+            "data.persistent_workers=false",
+        ],
     }
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from tests.helpers import write_face_folder
 from torch.utils.data import DataLoader
 
 from lightning_memopt.data import ImageFolderFaceDataModule, MemmapFaceDataModule, pack_image_folder
 from lightning_memopt.data.memmap_face import MemmapFaceDataset
+from tests.helpers import write_face_folder
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -29,7 +29,7 @@ def packed(folder, tmp_path) -> Path:
 
 
 def all_samples(dataset):
-    images, labels = zip(*(dataset[i] for i in range(len(dataset))))
+    images, labels = zip(*(dataset[i] for i in range(len(dataset))), strict=True)
     return torch.stack(images), torch.tensor(labels)
 
 
@@ -54,7 +54,7 @@ def test_batches_have_face_format(packed):
     dm = MemmapFaceDataModule(str(packed), batch_size=4, augmentation={"hflip": 0.5})
     images, labels = next(iter(dm.train_dataloader()))
     assert images.shape == (4, 3, 16, 16) and images.dtype == torch.float32
-    assert labels.dtype == torch.int64 and 0 <= labels.min() and labels.max() < 3
+    assert labels.dtype == torch.int64 and labels.min() >= 0 and labels.max() < 3
     assert images.min() >= -1 and images.max() <= 1
 
 

@@ -4,10 +4,10 @@ import re
 import numpy as np
 import pytest
 from PIL import Image
-from tests.helpers import write_face_folder
 
 from lightning_memopt.data import pack_image_folder
 from lightning_memopt.data.pack import main
+from tests.helpers import write_face_folder
 
 
 def test_writes_the_memmap_format(tmp_path):

@@ -6,8 +6,12 @@ import torch.nn.functional as F
 
 from lightning_memopt.losses import CombinedMarginLoss
 
-MARGINS = {"arcface": (1.0, 0.5, 0.0), "cosface": (1.0, 0.0, 0.4), "sphereface": (1.35, 0.0, 0.0),
-           "combined": (1.2, 0.3, 0.2)}
+MARGINS = {
+    "arcface": (1.0, 0.5, 0.0),
+    "cosface": (1.0, 0.0, 0.4),
+    "sphereface": (1.35, 0.0, 0.0),
+    "combined": (1.2, 0.3, 0.2),
+}
 
 
 @pytest.mark.parametrize("name", sorted(MARGINS))

@@ -5,8 +5,13 @@ from lightning_memopt.models import IBasicBlock, IResNet, create_model
 
 # Backbone parameter counts computed from the published layer shapes (PRESETS.md), in millions.
 PUBLISHED_PARAMS_M = {"r18": 24.03, "r34": 34.14, "r50": 43.59, "r100": 65.16, "r200": 118.83}
-PUBLISHED_BLOCKS = {"r18": (2, 2, 2, 2), "r34": (3, 4, 6, 3), "r50": (3, 4, 14, 3), "r100": (3, 13, 30, 3),
-                    "r200": (6, 26, 60, 6)}
+PUBLISHED_BLOCKS = {
+    "r18": (2, 2, 2, 2),
+    "r34": (3, 4, 6, 3),
+    "r50": (3, 4, 14, 3),
+    "r100": (3, 13, 30, 3),
+    "r200": (6, 26, 60, 6),
+}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS_M))
@@ -24,7 +29,7 @@ def test_preset_blocks_per_stage(name):
         net = create_model(name)
     stages = [net.layer1, net.layer2, net.layer3, net.layer4]
     assert tuple(len(stage) for stage in stages) == PUBLISHED_BLOCKS[name]
-    for stage, width in zip(stages, (64, 128, 256, 512)):
+    for stage, width in zip(stages, (64, 128, 256, 512), strict=True):
         first = stage[0]
         assert first.conv1.stride == (1, 1) and first.conv2.stride == (2, 2)
         assert first.downsample[0].kernel_size == (1, 1) and first.downsample[0].stride == (2, 2)

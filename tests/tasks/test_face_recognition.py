@@ -15,8 +15,15 @@ def _clustered_faces(num_classes=4, per_class=8, size=32, seed=0):
 
 
 def _trainer(tmp_path, **kwargs):
-    options = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     options.update(kwargs)
     return pl.Trainer(**options)
 
@@ -83,7 +90,7 @@ def test_checkpoint_restores_hyperparameters_and_weights(tmp_path):
     trainer.save_checkpoint(path)
     restored = FaceRecognitionModule.load_from_checkpoint(path)
     assert restored.hparams.sample_rate == 0.5 and restored.head.margin_loss.m3 == 0.4
-    for (name, a), (_, b) in zip(module.state_dict().items(), restored.state_dict().items()):
+    for (name, a), (_, b) in zip(module.state_dict().items(), restored.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
 
