@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -18,3 +21,24 @@ def compose_train(tmp_path):
             return compose("train", overrides=[f"paths.output_dir={tmp_path}", *overrides])
 
     return compose_
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked ``cuda`` on machines without a CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolate_process_state():
+    """Undo what an in-process DDP run leaves behind (MASTER_PORT etc., an open process group)."""
+    saved = dict(os.environ)
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)

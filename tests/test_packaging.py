@@ -55,3 +55,17 @@ def test_non_editable_install_runs_memopt_train_from_any_directory(tmp_path):
         check=True,
     ).stdout.strip()
     assert located.startswith(str(env_dir)) and located.endswith("lightning_memopt/conf")
+
+
+def test_setup_cfg_lists_every_package_of_the_library():
+    """setup.cfg names packages one by one (conf/ is mapped in): a new sub-package must be added there."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(REPO_ROOT / "setup.cfg")
+    listed = set(config["options"]["packages"].split())
+    on_disk = {
+        ".".join(init.parent.relative_to(REPO_ROOT).parts)
+        for init in (REPO_ROOT / "lightning_memopt").rglob("__init__.py")
+    }
+    assert on_disk | {"lightning_memopt.conf"} == listed

@@ -6,11 +6,11 @@ import resource
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 
@@ -37,7 +37,7 @@ class FitSummary:
             [
                 "memopt-train summary",
                 f"  optimizer steps   {self.steps}",
-                f"  samples           {self.samples}",
+                f"  samples           {self.samples}  (all ranks)",
                 f"  samples/s         {self.samples_per_second:.1f}  (training batches only)",
                 f"  final train loss  {loss}",
                 f"  peak memory       {memory}  ({self.peak_memory_source})",
@@ -58,7 +58,27 @@ def _batch_size(batch: Any) -> int:
     return 0
 
 
+_PROC_STATUS = Path("/proc/self/status")
+_PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _reset_process_peak_rss() -> bool:
+    """Reset the process's peak resident set size (Linux); False where that is not possible."""
+    try:
+        _PROC_CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 def _process_peak_rss_bytes() -> int:
+    """Peak resident set size: ``VmHWM`` (since the last reset) on Linux, else the lifetime peak."""
+    try:
+        for line in _PROC_STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
@@ -67,7 +87,9 @@ class TrainingSummary(Callback):
     """Measure a fit and print a summary at its end (rank 0).
 
     Time counts training batches only (forward, backward, optimizer), not validation or start-up.
-    Peak memory is the CUDA allocator's peak on a GPU, else the process's peak resident set size.
+    Samples are counted over all ranks. Peak memory is the CUDA allocator's peak on a GPU (reset at
+    fit start), else the process's peak resident set size (reset at fit start on Linux, so each job
+    of a multirun reports its own).
 
     Args:
         loss_key: the logged metric reported as the final loss.
@@ -85,6 +107,17 @@ class TrainingSummary(Callback):
         self._batch_started = 0.0
 
     @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.summary = FitSummary()
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+            self.summary.peak_memory_source = "CUDA allocator peak"
+        elif _reset_process_peak_rss():
+            self.summary.peak_memory_source = "process peak RSS during the fit"
+        else:
+            self.summary.peak_memory_source = "process lifetime peak RSS"
+
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_started = time.perf_counter()
 
@@ -92,8 +125,10 @@ class TrainingSummary(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)  # count the step's kernels, not just their launch
         self.summary.train_seconds += time.perf_counter() - self._batch_started
-        self.summary.samples += _batch_size(batch)
+        self.summary.samples += _batch_size(batch) * trainer.world_size
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -102,11 +137,10 @@ class TrainingSummary(Callback):
         self.summary.final_loss = None if loss is None else float(loss)
         if pl_module.device.type == "cuda":
             self.summary.peak_memory_bytes = torch.cuda.max_memory_allocated(pl_module.device)
-            self.summary.peak_memory_source = "CUDA allocator peak"
         else:
             self.summary.peak_memory_bytes = _process_peak_rss_bytes()
-            self.summary.peak_memory_source = "process peak RSS"
-        rank_zero_info(self.summary.format())
+        if trainer.is_global_zero:
+            print(self.summary.format(), flush=True)
 
     def as_dict(self) -> dict[str, Any]:
         """The measured figures as a plain dict (``samples_per_second`` included)."""

@@ -11,12 +11,40 @@ from __future__ import annotations
 
 import hydra
 import lightning.pytorch as pl
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig
 
 from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
 from lightning_memopt.cli.config import config_dir, instantiate_named
+
+
+def check_launch_fits_hydra_mode(trainer: pl.Trainer) -> None:
+    """Refuse a multirun whose jobs would start DDP worker processes by re-running the command line.
+
+    Lightning's ``ddp`` launcher starts ranks 1… by re-executing ``sys.argv``; in a Hydra multirun
+    each of those processes would start the whole sweep again in its own directory. Processes
+    started by the cluster (``torchrun``, SLURM) and ``ddp_spawn`` are fine.
+
+    Raises:
+        MisconfigurationException: for a multirun with a multi-process ``ddp`` launch.
+    """
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    strategy = trainer.strategy
+    launcher = getattr(strategy, "launcher", None)
+    relaunches_argv = type(launcher).__name__ == "_SubprocessScriptLauncher"
+    cluster = getattr(strategy, "cluster_environment", None)
+    if relaunches_argv and trainer.world_size > 1 and not (cluster and cluster.creates_processes_externally):
+        raise MisconfigurationException(
+            f"`strategy=ddp` with {trainer.world_size} processes cannot run inside a Hydra multirun (-m): its "
+            "worker processes re-run the command line and would start the sweep again. Use "
+            "`trainer.strategy=ddp_spawn`, launch each job with torchrun, or sweep with a cluster launcher "
+            "(hydra/launcher=submitit_slurm)."
+        )
 
 
 def train(cfg: DictConfig) -> FitSummary:
@@ -34,6 +62,7 @@ def train(cfg: DictConfig) -> FitSummary:
     callbacks += instantiate_named(cfg.memopt.get("callbacks"), "memopt.callbacks")
     loggers = instantiate_named(cfg.get("logger"), "logger")
     trainer = instantiate(cfg.trainer, callbacks=[*callbacks, summary], logger=loggers or False)
+    check_launch_fits_hydra_mode(trainer)
     rank_zero_info(f"memopt-train: model={type(model).__name__} data={type(datamodule).__name__}")
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     return summary.summary

@@ -17,6 +17,11 @@ class PartialFC(nn.Module):
     the logits shrink from ``B × num_classes`` to ``B × sampled``. With ``sample_rate=1`` (or in
     eval mode) nothing is sampled and the loss is exactly the full margin softmax.
 
+    The centres are not sharded: under DDP every rank holds the whole ``num_classes × d`` weight,
+    its gradient and optimizer state, and samples its own subset. This saves the logits' memory;
+    the published per-GPU saving of Partial FC also splits the centres across GPUs, which this
+    class does not do.
+
     Args:
         num_classes: number of identities.
         embedding_size: size of the embeddings fed in.
@@ -57,21 +62,25 @@ class PartialFC(nn.Module):
         """Pick the class centres for one step.
 
         Returns:
-            ``(class_index, target)``: the sampled class ids (positives first, sorted) and each
-            sample's label re-indexed into them.
+            ``(class_index, target)``: the sampled class ids, sorted, and each sample's label
+            re-indexed into them.
+
+        Raises:
+            ValueError: for labels outside ``[0, num_classes)``.
         """
-        positives = torch.unique(labels, sorted=True)
-        num_negatives = self.num_sample - positives.numel()
-        if num_negatives <= 0:
+        positives = torch.unique(labels, sorted=True)  # syncs with the host, as any sampling must
+        if positives[0] < 0 or positives[-1] >= self.num_classes:
+            raise ValueError(
+                f"labels must lie in [0, {self.num_classes}) for `num_classes`={self.num_classes}; "
+                f"got values in [{int(positives[0])}, {int(positives[-1])}]"
+            )
+        if positives.numel() >= self.num_sample:
             class_index = positives
-        else:
-            is_negative = torch.ones(self.num_classes, dtype=torch.bool, device=labels.device)
-            is_negative[positives] = False
-            candidates = is_negative.nonzero().squeeze(1)
-            chosen = torch.randperm(candidates.numel(), device=labels.device)[:num_negatives]
-            class_index = torch.cat([positives, candidates[chosen].sort().values])
-        target = torch.searchsorted(positives, labels)
-        return class_index, target
+        else:  # every positive scores 2, every other class a uniform draw below 1: top-k keeps them all
+            score = torch.rand(self.num_classes, device=labels.device)
+            score[positives] = 2.0
+            class_index = score.topk(self.num_sample, sorted=False).indices.sort().values
+        return class_index, torch.searchsorted(class_index, labels)
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Loss over the (sampled) centres, in fp32 with autocast off.
@@ -80,11 +89,6 @@ class PartialFC(nn.Module):
             ``(loss, cosine, target)``: the scalar loss, the cosine logits it was computed from
             (``B × classes used``) and each label's column in them, for accuracy.
         """
-        if not bool(((labels >= 0) & (labels < self.num_classes)).all()):
-            raise ValueError(
-                f"labels must lie in [0, {self.num_classes}) for `num_classes`={self.num_classes}; "
-                f"got values in [{int(labels.min())}, {int(labels.max())}]"
-            )
         with torch.autocast(device_type=embeddings.device.type, enabled=False):
             if self.training and self.num_sample < self.num_classes:
                 class_index, target = self.sample_classes(labels)

@@ -54,9 +54,10 @@ class IResNet(nn.Module):
         embedding_size: size of the output embedding (512 in the presets).
         input_size: side of the square input; must be divisible by 16 (112 in the presets).
         dropout: dropout probability before the embedding Linear.
-        fp32_head: run the embedding head (Linear + BatchNorm1d) with autocast disabled and fp32
-            input, so under mixed precision only the convolutional trunk runs in half precision,
-            as in the reference training code.
+        fp32_head: run the embedding head (Linear + BatchNorm1d) with autocast disabled, in the
+            dtype of its own parameters (fp32 unless the whole model was cast to half), so under
+            mixed precision only the convolutional trunk runs in half precision, as in the
+            reference training code.
         freeze_embedding_bn_weight: keep the final BatchNorm1d weight fixed at 1 (ArcFace); set
             ``False`` to train it (TopoFR).
 
@@ -85,7 +86,7 @@ class IResNet(nn.Module):
             raise ValueError(
                 f"`layers` and `widths` need one entry per stage (4), got {list(layers)!r} and {list(widths)!r}"
             )
-        if input_size % 16 or input_size < 16:
+        if not isinstance(input_size, int) or input_size % 16 or input_size < 16:
             raise ValueError(f"`input_size`={input_size!r} must be a positive multiple of 16 (four stride-2 stages)")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"`dropout`={dropout!r} must be in [0, 1)")
@@ -125,11 +126,11 @@ class IResNet(nn.Module):
         return torch.flatten(self.bn2(x), 1)
 
     def forward_head(self, x: Tensor) -> Tensor:
-        """Dropout → Linear → BatchNorm1d, in fp32 with autocast off when ``fp32_head``."""
+        """Dropout → Linear → BatchNorm1d; with ``fp32_head``, autocast off and in the head's dtype."""
         if not self.fp32_head:
             return self.features(self.fc(self.dropout(x)))
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return self.features(self.fc(self.dropout(x.float())))
+            return self.features(self.fc(self.dropout(x.to(self.fc.weight.dtype))))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_head(self.forward_trunk(x))

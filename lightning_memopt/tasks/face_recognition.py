@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -40,7 +41,9 @@ class FaceRecognitionModule(LightningModule):
         schedule: ``"polynomial"``, ``"cosine"`` or ``"constant"`` after the warm-up.
         power: exponent of the polynomial decay.
         clip_backbone_only: apply the Trainer's ``gradient_clip_val`` to the backbone parameters only
-            (as the reference training does); ``False`` clips every parameter.
+            (as the reference training does); ``False`` clips every parameter. A value of 0 or
+            ``None`` means no clipping. Under FSDP, norm clipping goes through the sharded root's
+            ``clip_grad_norm_`` (the only correct norm over shards) and covers every parameter.
 
     Raises:
         ValueError: for an unknown ``optimizer`` or a bad loss argument.
@@ -74,6 +77,7 @@ class FaceRecognitionModule(LightningModule):
         super().__init__()
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"Unknown `optimizer`={optimizer!r}; valid choices: {', '.join(OPTIMIZERS)}")
+        warmup_decay(total_steps=warmup_steps + 1, warmup_steps=warmup_steps, schedule=schedule, power=power)
         self.save_hyperparameters()
         self.backbone = create_model(backbone, **dict(backbone_options or {}))
         self.head = PartialFC(
@@ -118,7 +122,13 @@ class FaceRecognitionModule(LightningModule):
             optimizer = torch.optim.AdamW(
                 self.parameters(), lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay
             )
-        total_steps = int(self.trainer.estimated_stepping_batches)
+        total_steps = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total_steps):
+            raise ValueError(
+                "the learning-rate schedule needs a finite run: set `trainer.max_steps` or `trainer.max_epochs` "
+                f"(got max_steps={self.trainer.max_steps!r}, max_epochs={self.trainer.max_epochs!r})"
+            )
+        total_steps = int(total_steps)
         factor = warmup_decay(total_steps, hp.warmup_steps, hp.schedule, hp.power)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -130,9 +140,16 @@ class FaceRecognitionModule(LightningModule):
         gradient_clip_val: int | float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        if not self.hparams["clip_backbone_only"] or gradient_clip_val is None:
-            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        elif gradient_clip_algorithm == "value":
-            torch.nn.utils.clip_grad_value_(self.backbone.parameters(), gradient_clip_val)
-        else:
+        if not gradient_clip_val or gradient_clip_val <= 0:
+            return
+        if gradient_clip_algorithm == "value":
+            params = self.backbone.parameters() if self.hparams["clip_backbone_only"] else self.parameters()
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+            return
+        sharded_root = getattr(getattr(self._trainer, "strategy", None), "model", None)
+        if callable(getattr(sharded_root, "clip_grad_norm_", None)):  # FSDP: the norm spans every shard
+            sharded_root.clip_grad_norm_(gradient_clip_val)  # type: ignore[union-attr]
+        elif self.hparams["clip_backbone_only"]:
             torch.nn.utils.clip_grad_norm_(self.backbone.parameters(), gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)

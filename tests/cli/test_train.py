@@ -5,11 +5,12 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from lightning_memopt.cli.config import config_dir
 from lightning_memopt.cli.train import train
 from lightning_memopt.tasks import FaceRecognitionModule
-from tests.helpers import TINY_FACE, run_memopt_train
+from tests.helpers import REPO_ROOT, TINY_FACE, run_memopt_train
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = Path(config_dir())
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
@@ -104,7 +105,7 @@ def test_module_entry_point_matches_console_script():
     from lightning_memopt.cli import train as cli_train
 
     assert module_entry.main is cli_train.main
-    assert "memopt-train = lightning_memopt.cli.train:main" in (CONF.parent / "setup.cfg").read_text()
+    assert "memopt-train = lightning_memopt.cli.train:main" in (REPO_ROOT / "setup.cfg").read_text()
     assert sys.modules["lightning_memopt.train"]
 
 
@@ -113,3 +114,19 @@ def test_model_config_builds_the_face_module(compose_train):
 
     model = instantiate(compose_train("model=iresnet_tiny", "data.image_size=32").model)
     assert isinstance(model, FaceRecognitionModule) and model.head.num_classes == 100
+
+
+@pytest.mark.distributed
+def test_ddp_on_two_cpu_processes_trains_and_counts_both_ranks(tmp_path):
+    args = [*TINY_FACE, "strategy=ddp", "trainer.devices=2", "data.batch_size=4"]
+    result = run_memopt_train(args, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "samples           16  (all ranks)" in result.stdout  # 2 steps × 4 samples × 2 ranks
+    assert len(list(tmp_path.glob("logs/train/runs/*"))) == 1
+
+
+def test_multirun_refuses_ddp_that_would_relaunch_the_sweep(tmp_path):
+    args = ["-m", *TINY_FACE, "strategy=ddp", "trainer.devices=2", "data.batch_size=4,8"]
+    result = run_memopt_train(args, cwd=tmp_path, timeout=300)
+    assert result.returncode != 0
+    assert "cannot run inside a Hydra multirun (-m)" in result.stderr

@@ -71,14 +71,66 @@ def test_scheduler_steps_per_optimizer_step_with_warmup(tmp_path):
     assert trainer.lr_scheduler_configs[0].interval == "step"
 
 
+def _fill_gradients(module, value=10.0):
+    for p in module.parameters():
+        p.grad = torch.full_like(p, value)
+
+
+def _norm(params):
+    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+
+
 def test_gradient_clipping_touches_only_the_backbone_by_default():
     module = _module()
-    for p in module.parameters():
-        p.grad = torch.full_like(p, 10.0)
+    _fill_gradients(module)
     module.configure_gradient_clipping(None, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
-    backbone_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.backbone.parameters()]))
-    assert backbone_norm == pytest.approx(1.0, rel=1e-4)
+    assert _norm(module.backbone.parameters()) == pytest.approx(1.0, rel=1e-4)
     assert torch.all(module.head.weight.grad == 10.0)
+
+
+def test_gradient_clipping_of_every_parameter_and_by_value():
+    module = _module(clip_backbone_only=False)
+    _fill_gradients(module)
+    module.configure_gradient_clipping(None, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+    assert _norm(module.parameters()) == pytest.approx(1.0, rel=1e-4)
+    _fill_gradients(module)
+    module.configure_gradient_clipping(None, gradient_clip_val=0.5, gradient_clip_algorithm="value")
+    assert all(torch.all(p.grad == 0.5) for p in module.parameters())
+
+
+@pytest.mark.parametrize("clip_val", [None, 0, 0.0])
+def test_zero_or_no_clip_value_leaves_gradients_alone(clip_val):
+    module = _module()
+    _fill_gradients(module)
+    module.configure_gradient_clipping(None, gradient_clip_val=clip_val, gradient_clip_algorithm="norm")
+    assert all(torch.all(p.grad == 10.0) for p in module.parameters())
+
+
+def test_norm_clipping_under_a_sharded_root_uses_its_own_clip_grad_norm():
+    calls = []
+
+    class ShardedRoot:  # stands in for an FSDP-wrapped model: the norm must span every shard
+        def clip_grad_norm_(self, max_norm):
+            calls.append(max_norm)
+
+    class Strategy:
+        model = ShardedRoot()
+
+    class FakeTrainer:
+        strategy = Strategy()
+
+    module = _module()
+    module._trainer = FakeTrainer()
+    _fill_gradients(module)
+    module.configure_gradient_clipping(None, gradient_clip_val=5.0, gradient_clip_algorithm="norm")
+    assert calls == [5.0]
+    assert all(torch.all(p.grad == 10.0) for p in module.parameters())
+
+
+def test_an_endless_run_has_no_schedule_and_says_so(tmp_path):
+    data = DataLoader(_clustered_faces(), batch_size=8)
+    with pytest.raises(ValueError, match=r"needs a finite run: set `trainer.max_steps` or `trainer.max_epochs`"):
+        _trainer(tmp_path, max_steps=-1, max_epochs=-1).fit(_module(), data)
 
 
 def test_checkpoint_restores_hyperparameters_and_weights(tmp_path):
@@ -101,6 +153,14 @@ def test_bf16_mixed_keeps_the_loss_in_fp32(tmp_path):
     assert loss.dtype == torch.float32
 
 
-def test_unknown_optimizer_is_refused():
-    with pytest.raises(ValueError, match=r"Unknown `optimizer`='lamb'; valid choices: sgd, adamw"):
-        _module(optimizer="lamb")
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"optimizer": "lamb"}, r"Unknown `optimizer`='lamb'; valid choices: sgd, adamw"),
+        ({"schedule": "step"}, r"Unknown `schedule`='step'; valid choices: polynomial, cosine, constant"),
+        ({"warmup_steps": -5}, r"`warmup_steps`=-5 must be in"),
+    ],
+)
+def test_bad_optimisation_arguments_are_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _module(**kwargs)
