@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import numpy as np
 from PIL import Image
 
@@ -51,3 +52,17 @@ def write_face_folder(root: Path, counts: dict[str, int], size: tuple[int, int] 
             pixels = rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
             Image.fromarray(pixels).save(root / name / f"{index:03d}.png")
     return root
+
+
+def quiet_trainer(**kwargs) -> pl.Trainer:
+    """A CPU Trainer without logger, checkpoints, progress bar or model summary; ``kwargs`` override."""
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    options.update(kwargs)
+    return pl.Trainer(**options)

@@ -1,6 +1,5 @@
 import sys
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -8,19 +7,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_memopt.callbacks import TrainingSummary
 from lightning_memopt.callbacks.training_summary import _process_peak_rss_bytes, _reset_process_peak_rss
 from lightning_memopt.tasks import FaceRecognitionModule
+from tests.helpers import quiet_trainer
 
 
 def _fit(tmp_path, summary, max_steps=3, accelerator="cpu"):
     data = DataLoader(TensorDataset(torch.randn(24, 3, 32, 32), torch.arange(24) % 4), batch_size=6)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[summary],
-        default_root_dir=tmp_path,
+    trainer = quiet_trainer(
+        accelerator=accelerator, max_steps=max_steps, callbacks=[summary], default_root_dir=tmp_path
     )
     trainer.fit(FaceRecognitionModule(num_classes=4, backbone="iresnet_tiny"), data)
     return trainer

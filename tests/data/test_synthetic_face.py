@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from lightning_memopt.data import FaceAugmentation, SyntheticFaceDataModule
 from lightning_memopt.data.synthetic_face import SyntheticFaceDataset
+from tests.helpers import quiet_trainer
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -196,14 +197,7 @@ class _Classifier(L.LightningModule):
 def test_trainer_fit(val_samples_per_class):
     dm = small(val_samples_per_class=val_samples_per_class, augmentation={"hflip": 0.5})
     model = _Classifier(dm.num_classes)
-    trainer = L.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(max_steps=2)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Total length of `list` across ranks is zero.*")
         trainer.fit(model, datamodule=dm)
@@ -213,15 +207,7 @@ def test_trainer_fit(val_samples_per_class):
 
 def test_checkpoint_restores_the_datamodule(tmp_path):
     dm = small(augmentation=FaceAugmentation(rotation_degrees=5.0), seed=2)
-    trainer = L.Trainer(
-        max_steps=1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = quiet_trainer(max_steps=1, num_sanity_val_steps=0)
     trainer.fit(_Classifier(dm.num_classes), datamodule=dm)
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     restored = SyntheticFaceDataModule.load_from_checkpoint(tmp_path / "last.ckpt")

@@ -4,6 +4,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt.tasks import FaceRecognitionModule
+from tests.helpers import quiet_trainer
 
 
 def _clustered_faces(num_classes=4, per_class=8, size=32, seed=0):
@@ -15,17 +16,7 @@ def _clustered_faces(num_classes=4, per_class=8, size=32, seed=0):
 
 
 def _trainer(tmp_path, **kwargs):
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    return quiet_trainer(default_root_dir=tmp_path, **kwargs)
 
 
 def _module(**kwargs):
