@@ -8,6 +8,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from lightning_memopt.cli.config import config_dir
 
@@ -38,6 +39,8 @@ def _isolate_process_state():
     """Undo what an in-process DDP run leaves behind (MASTER_PORT etc., an open process group)."""
     saved = dict(os.environ)
     yield
+    leaked = _get_current_dispatch_mode_stack()
+    assert not leaked, f"the test left dispatch modes active: {leaked}"
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     os.environ.clear()

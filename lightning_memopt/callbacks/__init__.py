@@ -1,5 +1,6 @@
 """Lightning callbacks, one per file, each thin over the functional layer."""
 
+from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
 from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
 
-__all__ = ["FitSummary", "TrainingSummary"]
+__all__ = ["FitSummary", "MemoryMonitor", "TrainingSummary"]

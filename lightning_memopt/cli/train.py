@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
 from lightning_memopt.cli.config import config_dir, instantiate_named
+from lightning_memopt.memory.allocator import configure_allocator
 
 
 def check_launch_fits_hydra_mode(trainer: pl.Trainer) -> None:
@@ -53,6 +54,7 @@ def train(cfg: DictConfig) -> FitSummary:
     Returns:
         The run's :class:`FitSummary` (also printed).
     """
+    configure_allocator(**cfg.memopt.get("allocator", {}))
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)

@@ -1,0 +1,82 @@
+"""PYTORCH_CUDA_ALLOC_CONF: the CUDA caching allocator's settings, written before CUDA starts."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+ENV_VAR = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def allocator_settings(
+    expandable_segments: bool | None = None,
+    max_split_size_mb: int | None = None,
+    garbage_collection_threshold: float | None = None,
+) -> dict[str, str]:
+    """Validate allocator options and return them as ``PYTORCH_CUDA_ALLOC_CONF`` key/value strings.
+
+    Args:
+        expandable_segments: grow segments instead of allocating new ones (less fragmentation).
+        max_split_size_mb: blocks larger than this are never split; must be more than 20.
+        garbage_collection_threshold: reclaim cached blocks when usage passes this fraction, in (0, 1).
+
+    Raises:
+        ValueError: for a value PyTorch would reject.
+
+    Example::
+
+        >>> allocator_settings(expandable_segments=True, max_split_size_mb=128)
+        {'expandable_segments': 'True', 'max_split_size_mb': '128'}
+    """
+    settings: dict[str, str] = {}
+    if expandable_segments is not None:
+        if not isinstance(expandable_segments, bool):
+            raise ValueError(f"`expandable_segments`={expandable_segments!r} must be true or false")
+        settings["expandable_segments"] = str(expandable_segments)
+    if max_split_size_mb is not None:
+        if isinstance(max_split_size_mb, bool) or not isinstance(max_split_size_mb, int) or max_split_size_mb <= 20:
+            raise ValueError(f"`max_split_size_mb`={max_split_size_mb!r} must be an integer above 20 (MiB)")
+        settings["max_split_size_mb"] = str(max_split_size_mb)
+    if garbage_collection_threshold is not None:
+        if not 0.0 < float(garbage_collection_threshold) < 1.0:
+            raise ValueError(
+                f"`garbage_collection_threshold`={garbage_collection_threshold!r} must be in (0, 1), e.g. 0.8"
+            )
+        settings["garbage_collection_threshold"] = str(float(garbage_collection_threshold))
+    return settings
+
+
+def configure_allocator(
+    expandable_segments: bool | None = None,
+    max_split_size_mb: int | None = None,
+    garbage_collection_threshold: float | None = None,
+) -> str | None:
+    """Write the options into ``PYTORCH_CUDA_ALLOC_CONF`` (merged with what is set there already).
+
+    Call it before anything touches CUDA: the allocator reads the variable once. A warning says so
+    when CUDA is already initialised. Options left ``None`` are not written.
+
+    Returns:
+        The variable's new value, or ``None`` when nothing was set.
+
+    Example::
+
+        >>> configure_allocator(garbage_collection_threshold=0.8)
+        'garbage_collection_threshold:0.8'
+        >>> del os.environ[ENV_VAR]
+    """
+    settings = allocator_settings(expandable_segments, max_split_size_mb, garbage_collection_threshold)
+    if not settings:
+        return None
+    current = dict(item.split(":", 1) for item in os.environ.get(ENV_VAR, "").split(",") if ":" in item)
+    current.update(settings)
+    value = ",".join(f"{key}:{val}" for key, val in current.items())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        warnings.warn(
+            f"CUDA is already initialised: {ENV_VAR}={value} takes effect only in a new process",
+            stacklevel=2,
+        )
+    os.environ[ENV_VAR] = value
+    return value

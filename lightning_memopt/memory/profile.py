@@ -1,0 +1,310 @@
+"""profile_step(): one training step's memory — measured, or predicted without allocating anything."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+from lightning_memopt.memory.tracker import CATEGORIES, MemorySnapshot, MemoryTracker
+
+MODES = ("real", "fake")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+_HALF = {"bf16": torch.bfloat16, "16": torch.float16}
+_GIB = 2**30
+
+ModelSource = nn.Module | Callable[[], nn.Module]
+OptimizerSource = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class TensorInfo:
+    """One large live tensor at the peak."""
+
+    nbytes: int
+    category: str
+    module: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class MemoryProfile:
+    """The memory of one training step: the peak and what it is made of."""
+
+    peak_bytes: int
+    breakdown: dict[str, int]
+    activations_by_module: dict[str, int]
+    peak_phase: str
+    mode: str
+    precision: str
+    largest: list[TensorInfo] = field(default_factory=list)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / _GIB
+
+    def table(self) -> str:
+        """A plain-text table: the peak, its breakdown and the activations of each top-level module."""
+        lines = [
+            f"peak {self.peak_bytes / _GIB:.3f} GiB ({self.peak_bytes:,} B) in {self.peak_phase}; "
+            f"mode={self.mode}, precision={self.precision}",
+            f"{'category':<24}{'GiB':>10}{'share':>8}",
+        ]
+        for category, nbytes in self.breakdown.items():
+            share = nbytes / self.peak_bytes if self.peak_bytes else 0.0
+            lines.append(f"{category:<24}{nbytes / _GIB:>10.3f}{share:>8.1%}")
+        if self.activations_by_module:
+            lines.append(f"{'activations by module':<24}{'GiB':>10}")
+            lines += [f"  {name:<22}{nbytes / _GIB:>10.3f}" for name, nbytes in self.activations_by_module.items()]
+        return "\n".join(lines)
+
+
+def profile_step(
+    model: ModelSource,
+    batch: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: OptimizerSource | None = None,
+    mode: str = "real",
+    precision: str = "32-true",
+    steps: int = 2,
+    prepare_model: Callable[[nn.Module], Any] | None = None,
+    round_to: int = 1,
+) -> MemoryProfile:
+    """Run ``steps`` full training steps (forward, loss, backward, optimizer) and profile their memory.
+
+    A ``LightningModule`` supplies its own ``training_step`` and ``configure_optimizers``; a plain
+    module needs ``loss_fn(model, batch) -> loss`` and ``optimizer``. The peak is taken over all
+    steps (two by default, so optimizer state created by the first step is present in the second).
+
+    ``mode="real"`` runs the step: on CUDA the peak is the caching allocator's; elsewhere it is
+    the tensor accounting of :class:`MemoryTracker`. ``mode="fake"`` runs it under
+    ``FakeTensorMode``: nothing is allocated (the model may be a factory or live on the meta
+    device), so the peak of an 80 GB step is predicted on a laptop. Data-dependent operations
+    (``torch.unique``, ``.item()``) cannot run in fake mode.
+
+    Args:
+        model: a module, or a zero-argument factory returning one (built under fake mode in fake mode).
+        batch: one training batch (tensors, or tuples / lists / dicts of them).
+        loss_fn: ``loss_fn(model, batch) -> scalar loss`` for plain modules.
+        optimizer: an optimizer over ``model``'s parameters, or a factory taking the parameters.
+        mode: ``"real"`` or ``"fake"``.
+        precision: a Lightning precision string: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``,
+            ``"bf16-true"`` or ``"16-true"``.
+        steps: training steps to run.
+        prepare_model: called on the model before profiling (e.g. to apply activation checkpointing).
+        round_to: count each storage rounded up to this many bytes (512 mimics the CUDA allocator).
+
+    Raises:
+        ValueError: for an unknown ``mode`` or ``precision``, ``steps`` < 1, or a plain module
+            without ``loss_fn`` / ``optimizer``.
+
+    Example::
+
+        >>> layer = nn.Linear(1024, 1024)                         # 4 MiB of fp32 weights
+        >>> profile = profile_step(layer, torch.randn(8, 1024), loss_fn=lambda m, x: m(x).sum(),
+        ...                        optimizer=lambda params: torch.optim.Adam(params), mode="fake")
+        >>> profile.peak_phase
+        'optimizer'
+        >>> {k: round(v / 2**20, 2) for k, v in profile.breakdown.items() if v}
+        {'parameters': 4.0, 'gradients': 4.0, 'optimizer_state': 8.01, 'inputs': 0.03, 'temporaries': 8.0}
+    """
+    if mode not in MODES:
+        raise ValueError(f"Unknown `mode`={mode!r}; valid choices: {', '.join(MODES)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"Unknown `precision`={precision!r}; valid choices: {', '.join(PRECISIONS)}")
+    if steps < 1:
+        raise ValueError(f"`steps`={steps!r} must be at least 1")
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if mode == "fake" else None
+    module = _materialise(model, fake_mode)
+    if prepare_model is not None:
+        prepare_model(module)
+    half = _HALF.get(precision.split("-")[0])
+    if precision.endswith("-true") and half is not None:
+        module = module.to(half)
+    step = _training_step_fn(module, loss_fn)
+    opt = _build_optimizer(module, optimizer, fake_mode)
+    with contextlib.ExitStack() as stack:
+        if fake_mode is not None:
+            stack.enter_context(fake_mode)
+            batch = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
+        if precision.endswith("-true") and half is not None:
+            batch = tree_map(
+                lambda t: t.to(half) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch
+            )
+        device = _device_of(module)
+        autocast = torch.autocast(device.type, dtype=half, enabled=precision.endswith("-mixed"))
+        peak = _run_steps(module, batch, step, opt, autocast, steps, device, round_to, fake_mode is not None, stack)
+    return _profile_from(peak, mode, precision, device, fake_mode is not None)
+
+
+def _run_steps(
+    module: nn.Module,
+    batch: Any,
+    step: Callable[[Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    autocast: Any,
+    steps: int,
+    device: torch.device,
+    round_to: int,
+    fake: bool,
+    stack: contextlib.ExitStack,
+) -> MemorySnapshot:
+    tracker = MemoryTracker(round_to=round_to)
+    tracker.track_module(module)
+    tracker.track(_tensors(batch), "inputs", op="batch")
+    on_cuda = device.type == "cuda" and not fake
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    stack.enter_context(tracker)
+    stack.callback(tracker.remove_hooks)
+    module.train()
+    for _ in range(steps):
+        with tracker.in_phase("forward"), autocast, _quiet_logging():
+            loss = step(batch)
+        with tracker.in_phase("backward"):
+            loss.backward()
+        del loss
+        tracker.relabel_gradients(module)
+        with tracker.in_phase("optimizer"):
+            optimizer.step()
+        tracker.relabel_optimizer_state(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    peak = tracker.peak
+    if on_cuda:
+        peak = MemorySnapshot(torch.cuda.max_memory_allocated(device), peak.phase, peak.records)
+    return peak
+
+
+def _profile_from(peak: MemorySnapshot, mode: str, precision: str, device: torch.device, fake: bool) -> MemoryProfile:
+    largest = [
+        TensorInfo(r.nbytes, r.category, r.module, r.op, r.shape, str(r.dtype).replace("torch.", ""))
+        for r in peak.largest()
+    ]
+    label = "fake" if fake else f"real-{device.type}"
+    return MemoryProfile(
+        peak_bytes=peak.total_bytes,
+        breakdown=peak.by_category(),
+        activations_by_module=peak.activations_by_module(),
+        peak_phase=peak.phase,
+        mode=label,
+        precision=precision,
+        largest=largest,
+    )
+
+
+def _materialise(model: ModelSource, fake_mode: FakeTensorMode | None) -> nn.Module:
+    """The module to profile: built (under fake mode) from a factory, or a fake copy of a module."""
+    if not isinstance(model, nn.Module):
+        if fake_mode is None:
+            return model()
+        with fake_mode:
+            return model()
+    if fake_mode is None:
+        return model
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        fake = fake_mode.from_tensor(tensor)
+        memo[id(tensor)] = nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
+    trainer = getattr(model, "_trainer", None)
+    if trainer is not None:
+        memo[id(trainer)] = None
+    return copy.deepcopy(model, memo)
+
+
+def _is_lightning_module(module: nn.Module) -> bool:
+    return callable(getattr(module, "training_step", None)) and callable(getattr(module, "configure_optimizers", None))
+
+
+def _training_step_fn(module: nn.Module, loss_fn: LossFn | None) -> Callable[[Any], torch.Tensor]:
+    if loss_fn is not None:
+        return lambda batch: loss_fn(module, batch)
+    if not _is_lightning_module(module):
+        raise ValueError(
+            f"`loss_fn` is needed to profile a plain {type(module).__name__}; pass "
+            "`loss_fn=lambda model, batch: ...` or a LightningModule"
+        )
+
+    def lightning_step(batch: Any) -> torch.Tensor:
+        output = module.training_step(batch, 0)  # type: ignore[operator]
+        return output["loss"] if isinstance(output, dict) else output
+
+    return lightning_step
+
+
+def _build_optimizer(module: nn.Module, source: OptimizerSource | None, fake_mode: FakeTensorMode | None) -> Any:
+    if source is None:
+        if not _is_lightning_module(module):
+            raise ValueError(f"`optimizer` is needed to profile a plain {type(module).__name__}")
+        return _lightning_optimizer(module)
+    if isinstance(source, torch.optim.Optimizer):
+        if fake_mode is None:
+            return source
+        # the same optimizer class and groups, over the fake parameters (matched by position)
+        fake_params = list(module.parameters())
+        real_index = {id(p): i for i, p in enumerate(p for g in source.param_groups for p in g["params"])}
+        groups = [{**g, "params": [fake_params[real_index[id(p)]] for p in g["params"]]} for g in source.param_groups]
+        return type(source)(groups)  # type: ignore[call-arg]
+    return source(module.parameters())
+
+
+def _lightning_optimizer(module: Any) -> torch.optim.Optimizer:
+    """The (first) optimizer of a LightningModule's ``configure_optimizers``, outside any fit."""
+    from lightning.pytorch import Trainer
+
+    previous = module._trainer
+    module._trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=-1,
+        max_steps=1000,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    try:
+        config = module.configure_optimizers()
+    finally:
+        module._trainer = previous
+    while isinstance(config, list | tuple):
+        config = config[0]
+    if isinstance(config, dict):
+        config = config["optimizer"]
+    if not isinstance(config, torch.optim.Optimizer):
+        raise ValueError(f"configure_optimizers of {type(module).__name__} gave no optimizer: {config!r}")
+    return config
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for tensor in module.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    tree_map(lambda t: found.append(t) if isinstance(t, torch.Tensor) else None, batch)
+    return found
+
+
+@contextlib.contextmanager
+def _quiet_logging() -> Iterator[None]:
+    # a LightningModule's self.log() outside a Trainer warns on every call
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*self\.log\(\).*")
+        yield
+
+
+__all__ = ["CATEGORIES", "MODES", "PRECISIONS", "MemoryProfile", "TensorInfo", "profile_step"]

@@ -1,0 +1,237 @@
+"""MemoryTracker: count live tensor-storage bytes by category, at dispatch level.
+
+Works on any device and under ``FakeTensorMode`` (where nothing is allocated but every storage
+still has a size), so the same accounting measures a CPU step, a CUDA step, or a step that was
+never run. Storages are counted once (views share them) and leave the count when they die.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
+PHASES = ("setup", "forward", "backward", "optimizer")
+_CATEGORY_OF_PHASE = {
+    "setup": "temporaries",
+    "forward": "activations",
+    "backward": "temporaries",
+    "optimizer": "temporaries",
+}
+
+
+@dataclass
+class StorageRecord:
+    """One live storage: its size, what it is, and where it was made."""
+
+    nbytes: int
+    category: str
+    module: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class MemorySnapshot:
+    """The live storages at one moment (the peak), with their totals."""
+
+    total_bytes: int = 0
+    phase: str = "setup"
+    records: list[StorageRecord] = field(default_factory=list)
+
+    def by_category(self) -> dict[str, int]:
+        """Bytes per category, every category present (zeros included)."""
+        totals = dict.fromkeys(CATEGORIES, 0)
+        for record in self.records:
+            totals[record.category] += record.nbytes
+        return totals
+
+    def activations_by_module(self) -> dict[str, int]:
+        """Activation bytes per top-level module, largest first."""
+        totals: dict[str, int] = defaultdict(int)
+        for record in self.records:
+            if record.category == "activations":
+                totals[record.module or "<root>"] += record.nbytes
+        return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+    def largest(self, count: int = 10) -> list[StorageRecord]:
+        """The ``count`` largest storages."""
+        return sorted(self.records, key=lambda record: -record.nbytes)[:count]
+
+
+class MemoryTracker(TorchDispatchMode):
+    """A dispatch mode that counts live storage bytes by category and remembers the peak.
+
+    New storages are labelled by the current phase (``forward`` → activations, others →
+    temporaries); :meth:`track` labels existing tensors (parameters, inputs), and
+    :meth:`relabel` turns temporaries into gradients or optimizer state once they are known.
+
+    Args:
+        round_to: round every storage up to a multiple of this many bytes (512 mimics the CUDA
+            caching allocator's block size); 1 counts exact bytes.
+        record_timeline: keep ``(event, live bytes, phase)`` for every allocation and free.
+
+    Example::
+
+        >>> tracker = MemoryTracker()
+        >>> with tracker:
+        ...     a = torch.ones(256)          # 1 KiB
+        ...     b = a * 2                    # another KiB
+        ...     del a
+        >>> tracker.live_bytes, tracker.peak.total_bytes
+        (1024, 2048)
+    """
+
+    def __init__(self, round_to: int = 1, record_timeline: bool = False) -> None:
+        super().__init__()
+        if round_to < 1:
+            raise ValueError(f"`round_to`={round_to!r} must be at least 1")
+        self.round_to = round_to
+        self.phase = "setup"
+        self.live_bytes = 0
+        self.peak = MemorySnapshot()
+        self.timeline: list[tuple[int, int, str]] | None = [] if record_timeline else None
+        self._records: dict[int, StorageRecord] = {}
+        self._module_stack: list[str] = []
+        self._hooks: list[Any] = []
+        self._lock = threading.RLock()
+        self._events = 0
+
+    # -- what gets counted -------------------------------------------------------------------
+    def _rounded(self, nbytes: int) -> int:
+        return -(-nbytes // self.round_to) * self.round_to
+
+    def _add(self, tensor: torch.Tensor, category: str, op: str) -> StorageRecord | None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        with self._lock:
+            record = self._records.get(key)
+            if record is not None:
+                return None
+            nbytes = self._rounded(storage.nbytes())
+            self._before_allocation(nbytes, op, tuple(tensor.shape), tensor.dtype)
+            record = StorageRecord(nbytes, category, self._current_module(), op, tuple(tensor.shape), tensor.dtype)
+            self._records[key] = record
+            self.live_bytes += nbytes
+            weakref.finalize(storage, self._remove, key)
+            self._after_change()
+            if self.live_bytes > self.peak.total_bytes:
+                self.peak = MemorySnapshot(self.live_bytes, self.phase, list(self._records.values()))
+            return record
+
+    def _remove(self, key: int) -> None:
+        with self._lock:
+            record = self._records.pop(key, None)
+            if record is not None:
+                self.live_bytes -= record.nbytes
+                self._after_change()
+
+    def _after_change(self) -> None:
+        self._events += 1
+        if self.timeline is not None:
+            self.timeline.append((self._events, self.live_bytes, self.phase))
+
+    def _before_allocation(self, nbytes: int, op: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Hook for subclasses (a budget check); called before a new storage is counted."""
+
+    def track(self, tensors: Iterable[torch.Tensor | None], category: str, op: str = "tracked") -> None:
+        """Count existing tensors under ``category`` (or relabel them if already counted)."""
+        if category not in CATEGORIES:
+            raise ValueError(f"Unknown `category`={category!r}; valid choices: {', '.join(CATEGORIES)}")
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and self._add(tensor, category, op) is None:
+                self.relabel([tensor], category)
+
+    def relabel(self, tensors: Iterable[torch.Tensor | None], category: str) -> None:
+        """Give the storages of counted ``tensors`` a new category (gradients, optimizer state)."""
+        with self._lock:
+            for tensor in tensors:
+                if isinstance(tensor, torch.Tensor):
+                    record = self._records.get(id(tensor.untyped_storage()))
+                    if record is not None:
+                        record.category = category
+
+    def track_module(self, module: nn.Module) -> None:
+        """Count ``module``'s parameters and buffers and attribute new storages to its top-level children."""
+        self.track(module.parameters(), "parameters", op="parameter")
+        self.track(module.buffers(), "parameters", op="buffer")
+        for name, child in module.named_children():
+            self._hooks.append(child.register_forward_pre_hook(self._enter_module(name)))
+            self._hooks.append(child.register_forward_hook(self._leave_module))
+
+    def relabel_gradients(self, module: nn.Module) -> None:
+        """Mark the current ``.grad`` of every parameter of ``module`` as gradients."""
+        self.relabel((p.grad for p in module.parameters()), "gradients")
+
+    def relabel_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Mark every tensor in ``optimizer.state`` as optimizer state."""
+        self.relabel(_state_tensors(optimizer), "optimizer_state")
+
+    def _enter_module(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._module_stack.append(name)
+
+        return hook
+
+    def _leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._module_stack:
+            self._module_stack.pop()
+
+    def _current_module(self) -> str:
+        return self._module_stack[0] if self._module_stack else ""
+
+    def remove_hooks(self) -> None:
+        """Detach the module hooks added by :meth:`track_module`."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    # -- phases and peaks --------------------------------------------------------------------
+    @contextmanager
+    def in_phase(self, phase: str) -> Iterator[None]:
+        """Label what is allocated inside the block with ``phase`` (forward, backward, optimizer)."""
+        if phase not in PHASES:
+            raise ValueError(f"Unknown `phase`={phase!r}; valid choices: {', '.join(PHASES)}")
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now."""
+        with self._lock:
+            self.peak = MemorySnapshot(self.live_bytes, self.phase, list(self._records.values()))
+            if self.timeline is not None:
+                self.timeline.clear()
+
+    def current(self) -> MemorySnapshot:
+        """The storages live now."""
+        with self._lock:
+            return MemorySnapshot(self.live_bytes, self.phase, list(self._records.values()))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        category = _CATEGORY_OF_PHASE[self.phase]
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self._add(tensor, category, str(func.overloadpacket.__name__))
+        return out
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
