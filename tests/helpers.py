@@ -13,6 +13,16 @@ from PIL import Image
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+# Trainer overrides shared by every tiny run: two CPU steps with one validation batch.
+TINY_TRAINER = [
+    "trainer=cpu",
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+]
+
 # Overrides that shrink any face experiment to a CPU run of a few seconds.
 TINY_FACE = [
     "model.backbone=iresnet_tiny",
@@ -21,13 +31,38 @@ TINY_FACE = [
     "data.samples_per_class=4",
     "data.val_samples_per_class=1",
     "data.batch_size=8",
-    "trainer=cpu",
-    "trainer.max_steps=2",
-    "trainer.val_check_interval=2",
-    "trainer.limit_val_batches=1",
-    "trainer.log_every_n_steps=1",
-    "trainer.enable_progress_bar=false",
+    *TINY_TRAINER,
 ]
+
+# The same for the surface-normal (Sapiens) experiments.
+TINY_NORMALS = [
+    "model.backbone=sapiens_tiny",
+    "model.warmup_steps=1",
+    "data.image_size=[64,48]",
+    "data.num_samples=4",
+    "data.val_samples=2",
+    "data.batch_size=2",
+    *TINY_TRAINER,
+]
+
+# The same for the point-tracking (CoTracker) experiments, with the preset's tiny model.
+TINY_TRACKING = [
+    "data.image_size=[64,64]",
+    "data.sequence_len=8",
+    "data.traj_per_sample=16",
+    "data.num_clips=4",
+    "data.val_clips=1",
+    "data.batch_size=2",
+    *TINY_TRAINER,
+]
+
+
+def tiny_overrides(cfg) -> list[str]:
+    """Overrides that shrink the experiment composed in ``cfg`` to a CPU run of a few seconds."""
+    task = cfg.model._target_.rsplit(".", 1)[-1]
+    if task == "TrackingModule":
+        return [f"model={cfg.model.backbone}_tiny", *TINY_TRACKING]
+    return {"FaceRecognitionModule": TINY_FACE, "NormalEstimationModule": TINY_NORMALS}[task]
 
 
 def run_memopt_train(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -66,3 +101,42 @@ def quiet_trainer(**kwargs) -> pl.Trainer:
     )
     options.update(kwargs)
     return pl.Trainer(**options)
+
+
+def unit_normals(height, width, seed=0):
+    normals = np.random.default_rng(seed).normal(size=(height, width, 3)).astype(np.float32)
+    normals[..., 2] = np.abs(normals[..., 2]) + 0.1
+    return normals / np.linalg.norm(normals, axis=2, keepdims=True)
+
+
+def write_normals_sample(root, name, size=(6, 8), normals=None, mask=None, extension=".png", seed=0):
+    """Write images/<name><ext> of size (H, W), normals/<name>.npy and, if given, masks/<name>.png."""
+    height, width = size
+    for folder in ("images", "normals", "masks"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(root / "images" / f"{name}{extension}")
+    np.save(root / "normals" / f"{name}.npy", unit_normals(height, width, seed) if normals is None else normals)
+    if mask is not None:
+        Image.fromarray(mask.astype(np.uint8) * 255).save(root / "masks" / f"{name}.png")
+    return pixels
+
+
+def write_normals_folder(root: Path, count: int, size: tuple[int, int]) -> Path:
+    """A normals folder of ``count`` random samples of ``size`` (H, W), without masks."""
+    for index in range(count):
+        write_normals_sample(root, f"{index:03d}", size=size, seed=index)
+    return root
+
+
+def write_tracking_folder(root: Path, count: int, frames: int = 8, size: int = 32, tracks: int = 20) -> Path:
+    """``count`` random ``.npz`` tracking clips with every track visible in every frame."""
+    from lightning_memopt.data.tracking_npz import write_tracking_clip
+
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for index in range(count):
+        video = rng.integers(0, 256, size=(frames, size, size, 3), dtype=np.uint8)
+        positions = rng.uniform(0, size - 1, size=(frames, tracks, 2)).astype(np.float32)
+        write_tracking_clip(root / f"{index:03d}.npz", video, positions, np.ones((frames, tracks), dtype=bool))
+    return root

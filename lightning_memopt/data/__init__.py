@@ -5,15 +5,25 @@ from typing import Any
 from lightning_memopt.data.augment import FaceAugmentation
 from lightning_memopt.data.face_datamodule import FaceDataModule
 from lightning_memopt.data.image_folder_face import ImageFolderFaceDataModule
+from lightning_memopt.data.loader_datamodule import LoaderDataModule
 from lightning_memopt.data.memmap_face import MemmapFaceDataModule
+from lightning_memopt.data.normals_folder import NormalsFolderDataModule
 from lightning_memopt.data.synthetic_face import SyntheticFaceDataModule
+from lightning_memopt.data.synthetic_normals import SyntheticNormalsDataModule
+from lightning_memopt.data.synthetic_tracking import SyntheticTrackingDataModule
+from lightning_memopt.data.tracking_npz import TrackingNpzDataModule
 
 __all__ = [
     "FaceAugmentation",
     "FaceDataModule",
     "ImageFolderFaceDataModule",
+    "LoaderDataModule",
     "MemmapFaceDataModule",
+    "NormalsFolderDataModule",
     "SyntheticFaceDataModule",
+    "SyntheticNormalsDataModule",
+    "SyntheticTrackingDataModule",
+    "TrackingNpzDataModule",
     "pack_image_folder",
 ]
 

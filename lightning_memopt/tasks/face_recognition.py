@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -14,7 +13,7 @@ from typing_extensions import override
 
 from lightning_memopt.losses import CombinedMarginLoss, PartialFC
 from lightning_memopt.models import create_model
-from lightning_memopt.tasks.lr_schedule import warmup_decay
+from lightning_memopt.tasks.lr_schedule import clip_sharded_root, step_scheduler, warmup_decay
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -122,16 +121,8 @@ class FaceRecognitionModule(LightningModule):
             optimizer = torch.optim.AdamW(
                 self.parameters(), lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay
             )
-        total_steps = self.trainer.estimated_stepping_batches
-        if not math.isfinite(total_steps):
-            raise ValueError(
-                "the learning-rate schedule needs a finite run: set `trainer.max_steps` or `trainer.max_epochs` "
-                f"(got max_steps={self.trainer.max_steps!r}, max_epochs={self.trainer.max_epochs!r})"
-            )
-        total_steps = int(total_steps)
-        factor = warmup_decay(total_steps, hp.warmup_steps, hp.schedule, hp.power)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        scheduler = step_scheduler(optimizer, self.trainer, hp.warmup_steps, hp.schedule, hp.power)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
     @override
     def configure_gradient_clipping(
@@ -146,10 +137,9 @@ class FaceRecognitionModule(LightningModule):
             params = self.backbone.parameters() if self.hparams["clip_backbone_only"] else self.parameters()
             torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
             return
-        sharded_root = getattr(getattr(self._trainer, "strategy", None), "model", None)
-        if callable(getattr(sharded_root, "clip_grad_norm_", None)):  # FSDP: the norm spans every shard
-            sharded_root.clip_grad_norm_(gradient_clip_val)  # type: ignore[union-attr]
-        elif self.hparams["clip_backbone_only"]:
+        if clip_sharded_root(self, gradient_clip_val):
+            return
+        if self.hparams["clip_backbone_only"]:
             torch.nn.utils.clip_grad_norm_(self.backbone.parameters(), gradient_clip_val)
         else:
             torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)

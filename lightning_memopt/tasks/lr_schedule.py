@@ -1,9 +1,13 @@
-"""Per-step learning-rate factors: linear warm-up, then polynomial or cosine decay."""
+"""Per-step learning-rate schedules (linear warm-up, then polynomial or cosine decay) and clipping helpers."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.types import LRSchedulerConfigType
 
 SCHEDULES = ("polynomial", "cosine", "constant")
 
@@ -41,3 +45,35 @@ def warmup_decay(
         return (1.0 - progress) ** power
 
     return factor
+
+
+def step_scheduler(
+    optimizer: torch.optim.Optimizer, trainer: Any, warmup_steps: int, schedule: str, power: float
+) -> LRSchedulerConfigType:
+    """Lightning's ``lr_scheduler`` entry: :func:`warmup_decay` over the run's optimizer steps, per step.
+
+    Raises:
+        ValueError: when the run has no end (``max_steps`` and ``max_epochs`` both -1).
+    """
+    total_steps = trainer.estimated_stepping_batches
+    if not math.isfinite(total_steps):
+        raise ValueError(
+            "the learning-rate schedule needs a finite run: set `trainer.max_steps` or `trainer.max_epochs` "
+            f"(got max_steps={trainer.max_steps!r}, max_epochs={trainer.max_epochs!r})"
+        )
+    factor = warmup_decay(int(total_steps), warmup_steps, schedule, power)
+    return {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, factor), "interval": "step"}
+
+
+def clip_sharded_root(module: Any, max_norm: float) -> bool:
+    """Clip by norm through an FSDP root's own ``clip_grad_norm_`` (the only norm that spans every shard).
+
+    Returns:
+        Whether ``module`` runs under such a root (and was clipped); False leaves clipping to the caller.
+    """
+    sharded_root = getattr(getattr(module._trainer, "strategy", None), "model", None)
+    clip = getattr(sharded_root, "clip_grad_norm_", None)
+    if not callable(clip):
+        return False
+    clip(max_norm)
+    return True

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -9,7 +10,7 @@ from hydra.utils import instantiate
 from lightning_memopt.cli.config import config_dir
 from lightning_memopt.cli.train import train
 from lightning_memopt.data import pack_image_folder
-from tests.helpers import TINY_FACE, write_face_folder
+from tests.helpers import TINY_FACE, TINY_TRACKING, write_face_folder, write_normals_folder, write_tracking_folder
 
 CONF = Path(config_dir())
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -44,41 +45,49 @@ def test_the_config_tree_has_the_documented_groups():
 
 @pytest.fixture
 def data_overrides(tmp_path):
-    """Per data option, the overrides that point it at small real files."""
+    """Per data option, the overrides that shrink it and point it at small real files."""
     folder = tmp_path / "faces"
     write_face_folder(folder, {"alice": 2, "bob": 2}, size=(32, 32))
     pack_image_folder(folder, tmp_path / "packed")
-    loader = [
-        "data.num_classes=2",
-        "data.batch_size=2",
-        "data.image_size=32",
-        "data.num_workers=0",
-        "data.pin_memory=false",
-        "data.persistent_workers=false",
-    ]
+    normals = write_normals_folder(tmp_path / "normals", count=2, size=(24, 32))
+    clips = write_tracking_folder(tmp_path / "clips", count=2)
+    loader = ["data.batch_size=2", "data.num_workers=0", "data.pin_memory=false", "data.persistent_workers=false"]
+    face_files = ["data.num_classes=2", "data.image_size=32", *loader]
     return {
         "synthetic_face": [],
-        "image_folder_face": [f"data.root={folder}", *loader],
-        "memmap_face": [f"data.path={tmp_path / 'packed'}", *loader],
+        "image_folder_face": [f"data.root={folder}", *face_files],
+        "memmap_face": [f"data.path={tmp_path / 'packed'}", *face_files],
+        "synthetic_normals": ["data.image_size=[32,24]", "data.num_samples=2", "data.batch_size=2"],
+        "normals_folder": [f"data.root={normals}", "data.image_size=[32,24]", *loader],
+        "synthetic_tracking": [o for o in TINY_TRACKING if o.startswith("data.")],
+        "tracking_npz": [f"data.root={clips}", "data.sequence_len=8", "data.traj_per_sample=16", *loader],
     }
 
 
+def _batch_size(batch):
+    first = batch[0] if isinstance(batch, list | tuple) else next(iter(batch.values()))
+    return first.shape[0]
+
+
 @pytest.mark.parametrize(("group", "option"), _all(["data"]))
-def test_every_data_config_gives_face_batches(compose_train, data_overrides, group, option):
+def test_every_data_config_gives_batches(compose_train, data_overrides, group, option):
     cfg = compose_train(f"data={option}", *data_overrides[option])
     datamodule = instantiate(cfg.data)
     datamodule.setup("fit")
-    images, labels = next(iter(datamodule.train_dataloader()))
-    assert images.shape[1:] == (3, cfg.data.image_size, cfg.data.image_size)
-    assert int(labels.max()) < datamodule.num_classes == cfg.data.num_classes
+    batch = next(iter(datamodule.train_dataloader()))
+    assert _batch_size(batch) == cfg.data.batch_size
+    if "num_classes" in cfg.data:  # face data: (images, labels)
+        images, labels = batch
+        assert images.shape[1:] == (3, cfg.data.image_size, cfg.data.image_size)
+        assert int(labels.max()) < datamodule.num_classes == cfg.data.num_classes
 
 
 @pytest.mark.parametrize(("group", "option"), _all(["model"]))
 def test_every_model_config_builds_its_module(compose_train, group, option):
     cfg = compose_train(f"model={option}")
-    with torch.device("meta"):  # the r200 model is described, not allocated
+    with torch.device("meta"):  # the r200 and Sapiens-2B models are described, not allocated
         model = instantiate(cfg.model)
-    assert model.hparams.backbone == option and model.head.num_classes == cfg.data.num_classes
+    assert isinstance(model, pl.LightningModule) and model.hparams.backbone == option
 
 
 def _needs_a_gpu(cfg):

@@ -1,0 +1,112 @@
+"""`LoaderDataModule`: loader options, build-once datasets and saved hyperparameters for dict-batch datamodules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset
+
+
+class LoaderDataModule(LightningDataModule):
+    """Base of datamodules whose samples are dicts of tensors (batches then split along dim 0).
+
+    A subclass implements ``_build_datasets()``, returning ``(train, val)`` (``val`` may be None);
+    they are built once, on the first ``setup()``. The constructor arguments of the subclass are
+    saved as hyperparameters (pass plain values; Hydra configs use ``_convert_: all``).
+
+    Args:
+        batch_size: training batch size, at least 1.
+        val_batch_size: validation batch size; ``None`` means ``batch_size``.
+        num_workers: DataLoader worker processes, at least 0.
+        pin_memory: pin batches in page-locked memory (faster host-to-GPU copies).
+        persistent_workers: keep workers alive between epochs; needs ``num_workers > 0``.
+        drop_last: drop the last incomplete training batch.
+
+    Raises:
+        ValueError: an argument is out of range.
+
+    Example::
+
+        >>> from lightning_memopt.data import SyntheticNormalsDataModule
+        >>> dm = SyntheticNormalsDataModule(num_samples=4, image_size=(32, 24), batch_size=2)
+        >>> {key: tuple(value.shape) for key, value in next(iter(dm.train_dataloader())).items()}
+        {'image': (2, 3, 32, 24), 'normal': (2, 3, 32, 24), 'mask': (2, 1, 32, 24)}
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 1,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        drop_last: bool = True,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"`batch_size` must be at least 1, got {batch_size!r}")
+        if val_batch_size is not None and val_batch_size < 1:
+            raise ValueError(f"`val_batch_size` must be at least 1 or None, got {val_batch_size!r}")
+        if num_workers < 0:
+            raise ValueError(f"`num_workers` must be at least 0, got {num_workers!r}")
+        if persistent_workers and num_workers == 0:
+            raise ValueError("`persistent_workers=True` needs worker processes; set `num_workers` > 0 or turn it off")
+        self.batch_size = batch_size
+        self.val_batch_size = batch_size if val_batch_size is None else val_batch_size
+        self.loader_options: dict[str, Any] = {
+            "num_workers": num_workers,
+            "pin_memory": pin_memory,
+            "persistent_workers": persistent_workers,
+        }
+        self.drop_last = drop_last
+        self._datasets: tuple[Dataset, Dataset | None] | None = None
+        # Collects the arguments of every `__init__` up the subclass chain, not only these.
+        self.save_hyperparameters()
+
+    def _build_datasets(self) -> tuple[Dataset, Dataset | None]:
+        """Return the ``(train, val)`` datasets; ``val`` is None when there is no validation data."""
+        raise NotImplementedError(f"{type(self).__name__} must implement `_build_datasets()`")
+
+    def setup(self, stage: str | None = None) -> None:
+        """Build the datasets on the first call; later calls do nothing."""
+        if self._datasets is None:
+            self._datasets = self._build_datasets()
+
+    @property
+    def train_dataset(self) -> Dataset:
+        """The training dataset; builds it if needed."""
+        self.setup()
+        assert self._datasets is not None
+        return self._datasets[0]
+
+    @property
+    def val_dataset(self) -> Dataset | None:
+        """The validation dataset, or None; builds it if needed."""
+        self.setup()
+        assert self._datasets is not None
+        return self._datasets[1]
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches.
+
+        Raises:
+            ValueError: ``drop_last`` is set and the training set is smaller than one batch.
+        """
+        dataset = self.train_dataset
+        size = len(dataset)  # type: ignore[arg-type]
+        if self.drop_last and size < self.batch_size:
+            raise ValueError(
+                f"the training set has {size} samples, fewer than `batch_size`={self.batch_size!r}, so"
+                " `drop_last=True` would leave no batch; lower `batch_size` or set `drop_last=False`"
+            )
+        return DataLoader(
+            dataset, batch_size=self.batch_size, shuffle=True, drop_last=self.drop_last, **self.loader_options
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation batches in order, or ``[]`` (no validation) when there is no validation data."""
+        dataset = self.val_dataset
+        if dataset is None:
+            return []
+        return DataLoader(dataset, batch_size=self.val_batch_size, shuffle=False, **self.loader_options)

@@ -1,0 +1,312 @@
+"""Synthetic surface normals: analytic scenes (planes, spheres, boxes) ray-cast on the fly with exact normals.
+
+A scene is an optional tilted background plane and 1 … ``max_objects`` objects (spheres, boxes seen
+at a random angle, tilted discs), cast by orthographic rays along −z in camera coordinates (x right,
+y up, z towards the camera). The nearest surface of every pixel gives the exact unit normal; pixels
+that no surface covers are invalid. The image is Lambertian shading under a random light of each
+surface's colour and stripe texture, so it carries the normal information.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from lightning_memopt.data.loader_datamodule import LoaderDataModule
+from lightning_memopt.data.normals_sample import normals_sample
+
+_RAY_ORIGIN_Z = 10.0  # rays start in front of every surface of a scene
+_BACKGROUND_DEPTH = -1.5  # the background plane passes through (0, 0, -1.5), behind the objects
+_BACKGROUND_PROBABILITY = 0.75  # without a background plane, uncovered pixels are invalid
+_AMBIENT = 0.3
+_NOISE_STD = 0.01
+
+
+@dataclass(frozen=True)
+class Surface:
+    """Where a surface is seen: ``hit`` ``[H, W]``, ``depth`` (z, larger is nearer), unit ``normal`` ``[3, H, W]``."""
+
+    hit: np.ndarray
+    depth: np.ndarray
+    normal: np.ndarray
+
+
+def pixel_coordinates(height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, y)``, each ``[H, W]``: pixel centres with y from about 1 (top row) to −1, x scaled alike.
+
+    Example::
+
+        >>> x, y = pixel_coordinates(2, 4)
+        >>> x[0].tolist(), y[:, 0].tolist()
+        ([-1.5, -0.5, 0.5, 1.5], [0.5, -0.5])
+    """
+    rows = 1.0 - (2.0 * np.arange(height) + 1.0) / height
+    cols = ((2.0 * np.arange(width) + 1.0) / width - 1.0) * (width / height)
+    x, y = np.meshgrid(cols, rows)
+    return x, y
+
+
+def sphere(x: np.ndarray, y: np.ndarray, center: Sequence[float], radius: float) -> Surface:
+    """The front of a sphere: normal ``(p − c) / r`` at the visible point ``p``.
+
+    Example::
+
+        >>> s = sphere(np.array([[0.0, 0.6]]), np.array([[0.0, 0.0]]), center=(0.0, 0.0, 0.0), radius=1.0)
+        >>> s.hit.tolist(), s.depth.tolist(), s.normal[:, 0, 1].tolist()
+        ([[True, True]], [[1.0, 0.8]], [0.6, 0.0, 0.8])
+    """
+    dx, dy = x - center[0], y - center[1]
+    dz_squared = radius**2 - dx**2 - dy**2
+    dz = np.sqrt(np.maximum(dz_squared, 0.0))
+    return Surface(dz_squared > 0, center[2] + dz, np.stack([dx, dy, dz]) / radius)
+
+
+def disc(x: np.ndarray, y: np.ndarray, center: Sequence[float], normal: Sequence[float], radius: float) -> Surface:
+    """A flat disc through ``center`` with unit ``normal`` (``normal[2] > 0``); ``radius=inf`` is a whole plane.
+
+    Example::
+
+        >>> d = disc(np.array([[0.0, 2.0]]), np.array([[0.0, 0.0]]), (0.0, 0.0, -1.0), (0.0, 0.0, 1.0), radius=1.0)
+        >>> d.hit.tolist(), d.depth.tolist()
+        ([[True, False]], [[-1.0, -1.0]])
+    """
+    nx, ny, nz = normal
+    dx, dy = x - center[0], y - center[1]
+    dz = -(nx * dx + ny * dy) / nz
+    hit = dx**2 + dy**2 + dz**2 < radius**2
+    return Surface(hit, center[2] + dz, np.broadcast_to(np.reshape(normal, (3, 1, 1)), (3, *x.shape)))
+
+
+def box(
+    x: np.ndarray, y: np.ndarray, center: Sequence[float], half_size: Sequence[float], rotation: np.ndarray
+) -> Surface:
+    """A box with half extents ``half_size`` along the columns of ``rotation`` (3 × 3), ray-cast by slabs.
+
+    The normal of a pixel is that of the face the ray enters: a column of ``rotation``, signed to
+    face the camera, so the normals are piecewise constant.
+
+    Example::
+
+        >>> b = box(np.array([[0.0, 0.9]]), np.array([[0.0, 0.0]]), (0.0, 0.0, 0.0), (0.5, 0.5, 0.5), np.eye(3))
+        >>> b.hit.tolist(), b.depth[0, 0].item(), b.normal[:, 0, 0].tolist()
+        ([[True, False]], 0.5, [0.0, 0.0, 1.0])
+    """
+    origin = np.stack([x - center[0], y - center[1], np.full_like(x, _RAY_ORIGIN_Z - center[2])])
+    local_origin = np.einsum("ji,jhw->ihw", rotation, origin)  # rotationᵀ · (origin − centre)
+    local_direction = -rotation[2]  # rotationᵀ · (0, 0, −1)
+    safe_direction = np.where(np.abs(local_direction) < 1e-12, 1e-12, local_direction).reshape(3, 1, 1)
+    half = np.reshape(half_size, (3, 1, 1))
+    t_low, t_high = (-half - local_origin) / safe_direction, (half - local_origin) / safe_direction
+    t_entry = np.minimum(t_low, t_high)
+    axis = t_entry.argmax(axis=0)
+    t_near = np.take_along_axis(t_entry, axis[None], axis=0)[0]
+    t_far = np.maximum(t_low, t_high).min(axis=0)
+    facing = -np.sign(safe_direction.reshape(3))
+    normal = (rotation * facing)[:, axis]  # column `axis` of the rotation, signed towards the camera
+    return Surface(t_near < t_far, _RAY_ORIGIN_Z - t_near, normal)
+
+
+def random_rotation(rng: np.random.Generator) -> np.ndarray:
+    """A uniformly random 3 × 3 rotation matrix (from a random unit quaternion).
+
+    Example::
+
+        >>> r = random_rotation(np.random.default_rng(0))
+        >>> bool(np.allclose(r @ r.T, np.eye(3))), round(float(np.linalg.det(r)), 6)
+        (True, 1.0)
+    """
+    quaternion = rng.normal(size=4)
+    w, i, j, k = quaternion / np.linalg.norm(quaternion)
+    return np.array(
+        [
+            [1 - 2 * (j * j + k * k), 2 * (i * j - k * w), 2 * (i * k + j * w)],
+            [2 * (i * j + k * w), 1 - 2 * (i * i + k * k), 2 * (j * k - i * w)],
+            [2 * (i * k - j * w), 2 * (j * k + i * w), 1 - 2 * (i * i + j * j)],
+        ]
+    )
+
+
+def shade(normal: np.ndarray, albedo: np.ndarray, light: Sequence[float]) -> np.ndarray:
+    """Lambertian shading: ``albedo · (ambient + (1 − ambient) · max(0, n · l))`` with ambient 0.3.
+
+    Args:
+        normal: unit normals ``[3, H, W]``.
+        albedo: RGB reflectance ``[3, H, W]``.
+        light: unit direction towards the light.
+
+    Example::
+
+        >>> normal = np.array([[[0.0, 0.0]], [[0.0, 1.0]], [[1.0, 0.0]]])  # facing z, facing y
+        >>> shade(normal, np.ones((3, 1, 2)), light=(0.0, 0.0, 1.0))[0].tolist()
+        [[1.0, 0.3]]
+    """
+    lit = np.maximum(np.tensordot(np.asarray(light), normal, axes=1), 0.0)
+    return albedo * (_AMBIENT + (1.0 - _AMBIENT) * lit)
+
+
+def _random_facing_normal(rng: np.random.Generator, max_slope: float) -> tuple[float, float, float]:
+    """A unit normal ``∝ (a, b, 1)`` with ``|a|, |b| ≤ max_slope``: it faces the camera."""
+    a, b = rng.uniform(-max_slope, max_slope, size=2)
+    norm = math.sqrt(a * a + b * b + 1.0)
+    return a / norm, b / norm, 1.0 / norm
+
+
+def _random_object(rng: np.random.Generator, x: np.ndarray, y: np.ndarray) -> Surface:
+    """One random object: a sphere, a box seen at an angle, or a tilted disc, in front of the background."""
+    center = (*rng.uniform(-0.6, 0.6, size=2), rng.uniform(-0.4, 0.4))
+    kind = rng.integers(3)
+    if kind == 0:
+        return sphere(x, y, center, radius=rng.uniform(0.2, 0.45))
+    if kind == 1:
+        return box(x, y, center, half_size=tuple(rng.uniform(0.12, 0.3, size=3)), rotation=random_rotation(rng))
+    return disc(x, y, center, normal=_random_facing_normal(rng, max_slope=1.0), radius=rng.uniform(0.2, 0.5))
+
+
+def render_scene(rng: np.random.Generator, height: int, width: int, max_objects: int = 3) -> tuple[Tensor, ...]:
+    """Draw and ray-cast one random scene.
+
+    Args:
+        rng: the source of every random choice (the same state gives the same scene).
+        height: image rows.
+        width: image columns.
+        max_objects: the scene holds 1 … ``max_objects`` objects.
+
+    Returns:
+        ``(image, normal, mask)`` as float32 tensors: RGB ``[3, H, W]`` in [0, 1], unit normals
+        ``[3, H, W]`` (zero where invalid) and bool ``[H, W]``.
+
+    Example::
+
+        >>> image, normal, mask = render_scene(np.random.default_rng(0), 24, 32)
+        >>> image.shape, bool(torch.allclose(normal.norm(dim=0)[mask], torch.ones(int(mask.sum()))))
+        (torch.Size([3, 24, 32]), True)
+    """
+    x, y = pixel_coordinates(height, width)
+    surfaces = [_random_object(rng, x, y) for _ in range(rng.integers(1, max_objects + 1))]
+    if rng.random() < _BACKGROUND_PROBABILITY:
+        background = _random_facing_normal(rng, max_slope=0.3)
+        surfaces.append(disc(x, y, (0.0, 0.0, _BACKGROUND_DEPTH), background, radius=math.inf))
+    depth = np.full((height, width), -np.inf)
+    normal = np.zeros((3, height, width))
+    albedo = np.zeros((3, height, width))
+    for surface in surfaces:
+        colour = rng.uniform(0.25, 1.0, size=(3, 1, 1))
+        frequency, angle, phase = rng.uniform(4.0, 12.0), rng.uniform(0.0, math.pi), rng.uniform(0.0, 2 * math.pi)
+        stripes = 1.0 + 0.15 * np.sin(frequency * (x * math.cos(angle) + y * math.sin(angle)) + phase)
+        nearer = surface.hit & (surface.depth > depth)
+        depth = np.where(nearer, surface.depth, depth)
+        normal = np.where(nearer, surface.normal, normal)
+        albedo = np.where(nearer, colour * stripes, albedo)
+    shaded = shade(normal, albedo, light=_random_facing_normal(rng, max_slope=1.0))
+    image = np.clip(shaded + rng.normal(0.0, _NOISE_STD, size=(3, height, width)), 0.0, 1.0)
+    mask = np.isfinite(depth)
+    normal /= np.maximum(np.linalg.norm(normal, axis=0), 1e-12)
+    return torch.from_numpy(image).float(), torch.from_numpy(normal).float(), torch.from_numpy(mask)
+
+
+class SyntheticNormalsDataset(Dataset):
+    """``num_samples`` random scenes; scene ``i`` depends on ``(seed, first_index + i)`` only and is
+    rendered when it is read (see :func:`render_scene`), as a sample dict of ``normals_sample``.
+
+    Args:
+        num_samples: number of scenes.
+        image_size: ``(H, W)`` of the images.
+        seed: seed of the whole dataset, at least 0.
+        first_index: number of the first scene, so that datasets with non-overlapping ranges
+            (train and validation) hold different scenes.
+        max_objects: each scene holds 1 … ``max_objects`` objects.
+
+    Example::
+
+        >>> dataset = SyntheticNormalsDataset(num_samples=3, image_size=(24, 32), seed=0)
+        >>> sample = dataset[2]
+        >>> sample["normal"].shape, torch.equal(sample["image"], dataset[2]["image"])
+        (torch.Size([3, 24, 32]), True)
+    """
+
+    def __init__(
+        self, num_samples: int, image_size: Sequence[int], seed: int, first_index: int = 0, max_objects: int = 3
+    ) -> None:
+        self.num_samples = num_samples
+        self.height, self.width = (int(size) for size in image_size)
+        self.seed = operator.index(seed)
+        self.first_index = first_index
+        self.max_objects = max_objects
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        if not 0 <= operator.index(index) < self.num_samples:
+            raise IndexError(f"index {index!r} out of range for a dataset of {self.num_samples} samples")
+        rng = np.random.default_rng([self.seed, self.first_index + operator.index(index)])
+        return normals_sample(*render_scene(rng, self.height, self.width, self.max_objects))
+
+
+class SyntheticNormalsDataModule(LoaderDataModule):
+    """Surface-normal data made of deterministic synthetic scenes, for tests and benchmarks.
+
+    Scenes are rendered on the fly in ``__getitem__`` (see ``SyntheticNormalsDataset``), so any size
+    costs no memory; validation scenes are different draws from the training ones.
+
+    Args:
+        num_samples: training scenes, at least 1.
+        val_samples: validation scenes, at least 0 (0: no validation).
+        image_size: ``(H, W)``, each at least 8 (the Sapiens input is 1024 × 768).
+        max_objects: each scene holds 1 … ``max_objects`` objects, at least 1.
+        seed: seed of the data, at least 0; the same seed gives the same scenes.
+        **kwargs: loader arguments of ``LoaderDataModule`` (``batch_size``, ``num_workers`` …).
+
+    Raises:
+        ValueError: an argument is out of range.
+
+    Example::
+
+        >>> dm = SyntheticNormalsDataModule(num_samples=4, val_samples=2, image_size=(32, 24), batch_size=2)
+        >>> batch = next(iter(dm.val_dataloader()))
+        >>> batch["image"].shape, batch["mask"].dtype, len(dm.train_dataset)
+        (torch.Size([2, 3, 32, 24]), torch.bool, 4)
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 256,
+        val_samples: int = 16,
+        image_size: Sequence[int] = (1024, 768),
+        max_objects: int = 3,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if num_samples < 1:
+            raise ValueError(f"`num_samples` must be at least 1, got {num_samples!r}")
+        if val_samples < 0:
+            raise ValueError(f"`val_samples` must be at least 0, got {val_samples!r}")
+        if len(image_size) != 2 or min(image_size) < 8:
+            raise ValueError(f"`image_size` must be (H, W), each at least 8 (e.g. (1024, 768)), got {image_size!r}")
+        if max_objects < 1:
+            raise ValueError(f"`max_objects` must be at least 1, got {max_objects!r}")
+        if seed < 0:
+            raise ValueError(f"`seed` must be at least 0, got {seed!r}")
+        self.num_samples = num_samples
+        self.val_samples = val_samples
+        self.image_size = (int(image_size[0]), int(image_size[1]))
+        self.max_objects = max_objects
+        self.seed = seed
+
+    def _build_datasets(self) -> tuple[Dataset, Dataset | None]:
+        train = SyntheticNormalsDataset(self.num_samples, self.image_size, self.seed, max_objects=self.max_objects)
+        if self.val_samples == 0:
+            return train, None
+        val = SyntheticNormalsDataset(
+            self.val_samples, self.image_size, self.seed, first_index=self.num_samples, max_objects=self.max_objects
+        )
+        return train, val

@@ -1,0 +1,8 @@
+"""CoTracker2 and CoTracker3 (online) point trackers: fnet, correlation, update transformer, sliding windows."""
+
+from lightning_memopt.models.cotracker import presets as _presets  # noqa: F401  (registers the presets)
+from lightning_memopt.models.cotracker.cotracker import CoTracker, CoTracker2, CoTracker3, TrackerOutput
+from lightning_memopt.models.cotracker.fnet import BasicEncoder
+from lightning_memopt.models.cotracker.updateformer import ATTN_IMPLS, UpdateFormer
+
+__all__ = ["ATTN_IMPLS", "BasicEncoder", "CoTracker", "CoTracker2", "CoTracker3", "TrackerOutput", "UpdateFormer"]

@@ -1,0 +1,62 @@
+"""The Sapiens surface-normal head: upsample a ViT feature map 8× and predict unit normals."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class NormalHead(nn.Module):
+    """Feature map ``[B, C, h, w]`` → unit surface normals ``[B, 3, 2ᵏh, 2ᵏw]``.
+
+    ``k`` transposed convs (kernel 4, stride 2, padding 1, no bias; each doubles the size) then
+    1×1 convs, every one followed by InstanceNorm2d and SiLU, then a final 1×1 conv to 3 channels;
+    the output is normalised to unit length over the channels. With the published three deconv
+    stages, a 64 × 48 feature map becomes a 512 × 384 normal map.
+
+    Args:
+        in_channels: channels ``C`` of the feature map.
+        deconv_channels: output channels of each transposed conv (768, 768, 768 in the presets).
+        conv_channels: output channels of each 1×1 conv (768, 768, 768 in the presets).
+
+    Raises:
+        ValueError: for a non-positive channel count.
+
+    Example::
+
+        >>> import torch
+        >>> head = NormalHead(16, deconv_channels=(8, 8, 8), conv_channels=(8,))
+        >>> normals = head(torch.randn(2, 16, 4, 3))
+        >>> normals.shape, bool(torch.allclose(normals.norm(dim=1), torch.ones(2, 32, 24)))
+        (torch.Size([2, 3, 32, 24]), True)
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        deconv_channels: Sequence[int] = (768, 768, 768),
+        conv_channels: Sequence[int] = (768, 768, 768),
+    ) -> None:
+        super().__init__()
+        channels = [in_channels, *deconv_channels, *conv_channels]
+        if min(channels) < 1:
+            raise ValueError(
+                f"channel counts must be positive, got `in_channels`={in_channels!r}, "
+                f"`deconv_channels`={list(deconv_channels)!r}, `conv_channels`={list(conv_channels)!r}"
+            )
+        self.upscale = 2 ** len(deconv_channels)
+        upsample: list[nn.Module] = []
+        for source, target in zip(channels, deconv_channels, strict=False):
+            deconv = nn.ConvTranspose2d(source, target, kernel_size=4, stride=2, padding=1, bias=False)
+            upsample += [deconv, nn.InstanceNorm2d(target), nn.SiLU()]
+        refine: list[nn.Module] = []
+        for source, target in zip(channels[len(deconv_channels) :], conv_channels, strict=False):
+            refine += [nn.Conv2d(source, target, kernel_size=1), nn.InstanceNorm2d(target), nn.SiLU()]
+        self.upsample = nn.Sequential(*upsample)
+        self.refine = nn.Sequential(*refine)
+        self.predict = nn.Conv2d(channels[-1], 3, kernel_size=1)
+
+    def forward(self, features: Tensor) -> Tensor:
+        return F.normalize(self.predict(self.refine(self.upsample(features))), dim=1)
