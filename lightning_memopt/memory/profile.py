@@ -95,7 +95,7 @@ def profile_step(
     (``torch.unique``, ``.item()``) cannot run in fake mode.
 
     Args:
-        model: a module, or a zero-argument factory returning one (built under fake mode in fake mode).
+        model: a module, or a zero-argument factory returning one (built on the meta device in fake mode).
         batch: one training batch (tensors, or tuples / lists / dicts of them).
         loss_fn: ``loss_fn(model, batch) -> scalar loss`` for plain modules.
         optimizer: an optimizer over ``model``'s parameters, or a factory taking the parameters.
@@ -206,18 +206,23 @@ def _profile_from(peak: MemorySnapshot, mode: str, precision: str, device: torch
 
 
 def _materialise(model: ModelSource, fake_mode: FakeTensorMode | None) -> nn.Module:
-    """The module to profile: built (under fake mode) from a factory, or a fake copy of a module."""
-    if not isinstance(model, nn.Module):
-        if fake_mode is None:
-            return model()
-        with fake_mode:
-            return model()
+    """The module to profile: the module itself, built from a factory, or a fake copy of either.
+
+    In fake mode a factory runs on the meta device (initialisation is free there) and every
+    parameter and buffer is swapped for a fake tensor of the same shape on the CPU (or on the
+    module's own device), so nothing is allocated and no data-dependent init op runs.
+    """
     if fake_mode is None:
-        return model
+        return model if isinstance(model, nn.Module) else model()
+    if not isinstance(model, nn.Module):
+        with torch.device("meta"):
+            model = model()
     memo: dict[int, Any] = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        fake = fake_mode.from_tensor(tensor)
-        memo[id(tensor)] = nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
+    with fake_mode:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            device = "cpu" if tensor.device.type == "meta" else tensor.device
+            fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+            memo[id(tensor)] = nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
     trainer = getattr(model, "_trainer", None)
     if trainer is not None:
         memo[id(trainer)] = None
