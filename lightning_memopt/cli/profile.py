@@ -1,0 +1,73 @@
+"""``memopt-profile``: print the memory profile of one training step of a composed training config.
+
+Examples (shell)::
+
+    memopt-profile model=r100 data.batch_size=128                       # fake mode: nothing allocated
+    memopt-profile experiment=sapiens_2b_normal precision=bf16_mixed profile.png=sapiens.png
+    memopt-profile model=iresnet_tiny data.image_size=32 profile.mode=real
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from lightning_memopt.cli.config import config_dir
+from lightning_memopt.memory.profile import MemoryProfile, profile_step
+
+_GIB = 2**30
+
+
+def profile(cfg: DictConfig) -> MemoryProfile:
+    """Profile one step of ``cfg.model`` on a batch of ``cfg.data`` under ``cfg.trainer.precision``."""
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    return profile_step(
+        lambda: instantiate(cfg.model),
+        batch,
+        mode=cfg.profile.mode,
+        precision=str(cfg.trainer.precision),
+        steps=cfg.profile.steps,
+        round_to=cfg.profile.round_to,
+    )
+
+
+def write_breakdown_chart(result: MemoryProfile, path: Path) -> None:
+    """A horizontal bar of the breakdown at the peak, one segment per category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 2.2))
+    left = 0.0
+    for category, nbytes in result.breakdown.items():
+        if nbytes:
+            axes.barh([0], [nbytes / _GIB], left=left, label=category)
+            left += nbytes / _GIB
+    axes.set_yticks([])
+    axes.set_xlabel("GiB at the peak")
+    axes.set_title(f"peak {result.peak_gib:.2f} GiB ({result.mode}, {result.precision})")
+    axes.legend(ncol=3, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.45))
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="profile")
+def main(cfg: DictConfig) -> float:
+    """Hydra entry point; prints the profile table and returns the peak in GiB."""
+    result = profile(cfg)
+    print(f"memopt-profile: model={cfg.model.backbone} batch={cfg.data.batch_size}\n{result.table()}", flush=True)
+    if cfg.profile.png:
+        write_breakdown_chart(result, Path(cfg.profile.png))
+        print(f"wrote {cfg.profile.png}", flush=True)
+    return result.peak_gib
+
+
+if __name__ == "__main__":
+    main()

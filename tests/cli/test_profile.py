@@ -1,0 +1,38 @@
+import pytest
+from hydra import compose, initialize_config_dir
+
+from lightning_memopt.cli.config import config_dir
+from lightning_memopt.cli.profile import main, profile, write_breakdown_chart
+from tests.helpers import REPO_ROOT, TINY_FACE, TINY_NORMALS
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose("profile", overrides=list(overrides))
+
+
+def test_profile_config_shares_the_training_tree():
+    cfg = _compose("model=r50", "precision=bf16_mixed")
+    assert cfg.model.backbone == "r50" and cfg.trainer.precision == "bf16-mixed"
+    assert cfg.profile.mode == "fake" and cfg.profile.round_to == 512
+
+
+@pytest.mark.parametrize(
+    "overrides", [TINY_FACE, ["experiment=sapiens_2b_normal", *TINY_NORMALS]], ids=["face", "normals"]
+)
+def test_fake_and_real_profiles_of_a_composed_config_agree(overrides):
+    fake = profile(_compose(*overrides, "profile.round_to=1"))
+    real = profile(_compose(*overrides, "profile.round_to=1", "profile.mode=real"))
+    assert fake.mode == "fake" and real.mode == "real-cpu"
+    assert abs(fake.peak_bytes - real.peak_bytes) <= 0.03 * real.peak_bytes
+
+
+def test_the_chart_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    write_breakdown_chart(profile(_compose(*TINY_FACE)), tmp_path / "chart.png")
+    assert (tmp_path / "chart.png").stat().st_size > 1000
+
+
+def test_console_script_is_declared():
+    assert "memopt-profile = lightning_memopt.cli.profile:main" in (REPO_ROOT / "setup.cfg").read_text()
+    assert callable(main)
