@@ -22,10 +22,14 @@ from lightning_memopt.cli.profile import profile
 
 # preset -> the overrides that give its reference training batch (PRESETS.md)
 REFERENCE_RUNS = {
-    **{f"r{depth}": [f"model=r{depth}", "data.num_classes=85742", "data.batch_size=128"]
-       for depth in (18, 34, 50, 100, 200)},
-    **{f"sapiens_{size}": ["experiment=sapiens_2b_normal", f"model=sapiens_{size}", "data.num_samples=1"]
-       for size in ("0.3b", "0.6b", "1b", "2b")},
+    **{
+        f"r{depth}": [f"model=r{depth}", "data.num_classes=85742", "data.batch_size=128"]
+        for depth in (18, 34, 50, 100, 200)
+    },
+    **{
+        f"sapiens_{size}": ["experiment=sapiens_2b_normal", f"model=sapiens_{size}", "data.num_samples=1"]
+        for size in ("0.3b", "0.6b", "1b", "2b")
+    },
     "cotracker2": ["experiment=cotracker2_kubric", "data.num_clips=1", "data.val_clips=0"],
     "cotracker3": ["experiment=cotracker3_online", "data.num_clips=1", "data.val_clips=0"],
 }
@@ -38,33 +42,45 @@ def profile_preset(name: str, precision: str) -> dict:
         cfg = compose("profile", overrides=[*REFERENCE_RUNS[name], PRECISIONS[precision], "trainer=cpu"])
     started = time.perf_counter()
     result = profile(cfg)
-    row = {"preset": name, "precision": precision, "batch": cfg.data.batch_size,
-           "peak_gib": result.peak_bytes / _GIB, "phase": result.peak_phase,
-           "seconds": time.perf_counter() - started}
+    row = {
+        "preset": name,
+        "precision": precision,
+        "batch": cfg.data.batch_size,
+        "peak_gib": result.peak_bytes / _GIB,
+        "phase": result.peak_phase,
+        "seconds": time.perf_counter() - started,
+    }
     row.update({f"{k}_gib": v / _GIB for k, v in result.breakdown.items()})
     return row
 
 
 def monitor_overhead(rounds: int = 3, steps: int = 6) -> float:
     """Mean step time with MemoryMonitor / without, r18 at 64×64, batch 16, interleaved runs."""
+    import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_memopt.callbacks import MemoryMonitor
     from lightning_memopt.callbacks.training_summary import TrainingSummary
     from lightning_memopt.tasks import FaceRecognitionModule
-    import lightning.pytorch as pl
 
-    data = DataLoader(TensorDataset(torch.randn(16 * steps, 3, 64, 64), torch.arange(16 * steps) % 100),
-                      batch_size=16)
+    data = DataLoader(TensorDataset(torch.randn(16 * steps, 3, 64, 64), torch.arange(16 * steps) % 100), batch_size=16)
     seconds = {"without": 0.0, "with": 0.0}
     for _ in range(rounds):
         for variant in ("without", "with"):
             summary = TrainingSummary()
             callbacks = [summary] + ([MemoryMonitor(every_n_steps=1)] if variant == "with" else [])
-            trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
-                                 enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
-            trainer.fit(FaceRecognitionModule(num_classes=100, backbone="r18",
-                                              backbone_options={"input_size": 64}), data)
+            trainer = pl.Trainer(
+                accelerator="cpu",
+                max_steps=steps,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                callbacks=callbacks,
+            )
+            trainer.fit(
+                FaceRecognitionModule(num_classes=100, backbone="r18", backbone_options={"input_size": 64}), data
+            )
             seconds[variant] += summary.summary.train_seconds
     return seconds["with"] / seconds["without"]
 
@@ -77,16 +93,19 @@ def main() -> None:
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n] or list(REFERENCE_RUNS)
     rows = []
-    print(f"{'preset':<14}{'precision':<12}{'batch':>6}{'peak GiB':>10}{'params':>9}{'grads':>8}{'optim':>8}"
-          f"{'inputs':>8}{'activ.':>9}{'temp.':>8}  phase      s")
+    print(
+        f"{'preset':<14}{'precision':<12}{'batch':>6}{'peak GiB':>10}{'params':>9}{'grads':>8}{'optim':>8}"
+        f"{'inputs':>8}{'activ.':>9}{'temp.':>8}  phase      s"
+    )
     for name in names:
         for precision in PRECISIONS:
             row = profile_preset(name, precision)
             rows.append(row)
-            print(f"{name:<14}{precision:<12}{row['batch']:>6}{row['peak_gib']:>10.2f}{row['parameters_gib']:>9.2f}"
-                  f"{row['gradients_gib']:>8.2f}{row['optimizer_state_gib']:>8.2f}{row['inputs_gib']:>8.2f}"
-                  f"{row['activations_gib']:>9.2f}{row['temporaries_gib']:>8.2f}  {row['phase']:<9}{row['seconds']:>5.0f}",
-                  flush=True)
+            gib = [row[f"{k}_gib"] for k in ("parameters", "gradients", "optimizer_state", "inputs")]
+            cells = [f"{name:<14}{precision:<12}{row['batch']:>6}{row['peak_gib']:>10.2f}{gib[0]:>9.2f}"]
+            cells += [f"{gib[1]:>8.2f}{gib[2]:>8.2f}{gib[3]:>8.2f}{row['activations_gib']:>9.2f}"]
+            cells += [f"{row['temporaries_gib']:>8.2f}  {row['phase']:<9}{row['seconds']:>5.0f}"]
+            print("".join(cells), flush=True)
     with open(args.csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

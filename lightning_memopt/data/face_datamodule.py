@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch import LightningDataModule
 from omegaconf import Container, OmegaConf
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from lightning_memopt.data.augment import FaceAugmentation
+from lightning_memopt.data.loader_datamodule import LoaderDataModule
 
 _AUGMENTATION_KEYS = tuple(inspect.signature(FaceAugmentation).parameters)
 
@@ -105,7 +105,7 @@ class _AugmentedDataset(Dataset):
         return self.augmentation(image), label
 
 
-class FaceDataModule(LightningDataModule):
+class FaceDataModule(LoaderDataModule):
     """Base of the face-recognition datamodules: loaders, augmentation and hyperparameters.
 
     A subclass sets ``num_classes`` in its ``__init__`` (after calling this one) and implements
@@ -149,27 +149,8 @@ class FaceDataModule(LightningDataModule):
         augmentation: FaceAugmentation | Mapping[str, Any] | None = None,
         drop_last: bool = True,
     ) -> None:
-        super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"`batch_size` must be at least 1, got {batch_size!r}")
-        if val_batch_size is not None and val_batch_size < 1:
-            raise ValueError(f"`val_batch_size` must be at least 1 or None, got {val_batch_size!r}")
-        if num_workers < 0:
-            raise ValueError(f"`num_workers` must be at least 0, got {num_workers!r}")
-        if persistent_workers and num_workers == 0:
-            raise ValueError(
-                f"`persistent_workers={persistent_workers!r}` needs worker processes, but `num_workers` is 0;"
-                " set `num_workers` > 0 or `persistent_workers=False`"
-            )
-        self.batch_size = batch_size
-        self.val_batch_size = batch_size if val_batch_size is None else val_batch_size
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
-        self.persistent_workers = persistent_workers
+        super().__init__(batch_size, val_batch_size, num_workers, pin_memory, persistent_workers, drop_last)
         self.augmentation = _as_augmentation(augmentation)
-        self.drop_last = drop_last
-        self._train_dataset: Dataset | None = None
-        self._val_dataset: Dataset | None = None
         self._save_init_hyperparameters(inspect.currentframe())
 
     def _save_init_hyperparameters(self, frame: Any) -> None:
@@ -184,61 +165,11 @@ class FaceDataModule(LightningDataModule):
         hparams["augmentation"] = None if self.augmentation is None else self.augmentation.to_dict()
         self.save_hyperparameters(hparams, frame=frame)
 
-    def _build_datasets(self) -> tuple[Dataset, Dataset | None]:
-        """Return the ``(train, val)`` datasets; ``val`` is None when there is no validation data."""
-        raise NotImplementedError(f"{type(self).__name__} must implement `_build_datasets()`")
-
     def setup(self, stage: str | None = None) -> None:
-        """Build the datasets on the first call; later calls do nothing."""
-        if self._train_dataset is not None:
+        """Build the datasets on the first call (the training set augmented); later calls do nothing."""
+        if self._datasets is not None:
             return
         train, val = self._build_datasets()
         if self.augmentation is not None and not self.augmentation.is_identity:
             train = _AugmentedDataset(train, self.augmentation)
-        self._train_dataset, self._val_dataset = train, val
-
-    @property
-    def train_dataset(self) -> Dataset:
-        """The training dataset (augmented when an augmentation is set); builds it if needed."""
-        self.setup()
-        assert self._train_dataset is not None
-        return self._train_dataset
-
-    @property
-    def val_dataset(self) -> Dataset | None:
-        """The validation dataset, or None when there is no validation data; builds it if needed."""
-        self.setup()
-        return self._val_dataset
-
-    def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool, drop_last: bool) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.persistent_workers,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches.
-
-        Raises:
-            ValueError: ``drop_last`` is set and the training set is smaller than one batch.
-        """
-        dataset = self.train_dataset
-        size = len(dataset)  # type: ignore[arg-type]
-        if self.drop_last and size < self.batch_size:
-            raise ValueError(
-                f"the training set has {size} samples, fewer than `batch_size`={self.batch_size!r}, so"
-                " `drop_last=True` would leave no batch; lower `batch_size` or set `drop_last=False`"
-            )
-        return self._loader(dataset, self.batch_size, shuffle=True, drop_last=self.drop_last)
-
-    def val_dataloader(self) -> DataLoader | list:
-        """Validation batches in order, or ``[]`` (no validation) when there is no validation data."""
-        dataset = self.val_dataset
-        if dataset is None:
-            return []
-        return self._loader(dataset, self.val_batch_size, shuffle=False, drop_last=False)
+        self._datasets = (train, val)

@@ -54,6 +54,7 @@ class LoaderDataModule(LightningDataModule):
             raise ValueError("`persistent_workers=True` needs worker processes; set `num_workers` > 0 or turn it off")
         self.batch_size = batch_size
         self.val_batch_size = batch_size if val_batch_size is None else val_batch_size
+        self.pin_memory = pin_memory
         self.loader_options: dict[str, Any] = {
             "num_workers": num_workers,
             "pin_memory": pin_memory,

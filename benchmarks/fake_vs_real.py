@@ -1,0 +1,85 @@
+"""How well fake mode predicts a real step: fake-mode peak vs the real CPU peak (the project's tracker).
+
+    python benchmarks/fake_vs_real.py
+
+Cases: r18 and r50 at batch 32 (112×112), and the tiny vision presets, each in fp32 and bf16-mixed.
+Target: every fake peak within 3 % of the real one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.nn import functional as F
+
+from lightning_memopt.memory import profile_step
+from lightning_memopt.tasks import FaceRecognitionModule, NormalEstimationModule, TrackingModule
+
+
+def _face(backbone: str, size: int, batch: int):
+    return (
+        lambda: FaceRecognitionModule(num_classes=1000, backbone=backbone, backbone_options={"input_size": size}),
+        lambda: (torch.randn(batch, 3, size, size), torch.randint(0, 1000, (batch,))),
+    )
+
+
+def _normals():
+    def batch():
+        return {
+            "image": torch.randn(2, 3, 64, 48),
+            "normal": F.normalize(torch.randn(2, 3, 64, 48), dim=1),
+            "mask": torch.ones(2, 1, 64, 48, dtype=torch.bool),
+        }
+
+    return (lambda: NormalEstimationModule(backbone="sapiens_tiny"), batch)
+
+
+def _tracking(backbone: str):
+    def batch():
+        frames, tracks = 8, 16
+        return {
+            "video": torch.rand(1, frames, 3, 64, 64) * 255,
+            "tracks": torch.rand(1, frames, tracks, 2) * 63,
+            "visibility": torch.ones(1, frames, tracks, dtype=torch.bool),
+            "queries": torch.cat([torch.zeros(1, tracks, 1), torch.rand(1, tracks, 2) * 63], dim=2),
+        }
+
+    return (lambda: TrackingModule(backbone=backbone), batch)
+
+
+CASES = {
+    "r18 b32": _face("r18", 112, 32),
+    "r50 b32": _face("r50", 112, 32),
+    "iresnet_tiny b8": _face("iresnet_tiny", 32, 8),
+    "sapiens_tiny b2": _normals(),
+    "cotracker2_tiny": _tracking("cotracker2_tiny"),
+    "cotracker3_tiny": _tracking("cotracker3_tiny"),
+}
+
+
+def main() -> None:
+    print(f"{'case':<18}{'precision':<12}{'fake MiB':>10}{'real MiB':>10}{'fake/real':>11}   fake s  real s")
+    worst = 0.0
+    for name, (build, make_batch) in CASES.items():
+        for precision in ("32-true", "bf16-mixed"):
+            torch.manual_seed(0)
+            batch = make_batch()
+            started = time.perf_counter()
+            fake = profile_step(build, batch, mode="fake", precision=precision)
+            fake_seconds = time.perf_counter() - started
+            started = time.perf_counter()
+            real = profile_step(build(), batch, mode="real", precision=precision)
+            real_seconds = time.perf_counter() - started
+            ratio = fake.peak_bytes / real.peak_bytes
+            worst = max(worst, abs(ratio - 1))
+            print(
+                f"{name:<18}{precision:<12}{fake.peak_bytes / 2**20:>10.1f}{real.peak_bytes / 2**20:>10.1f}"
+                f"{ratio:>11.4f}{fake_seconds:>9.1f}{real_seconds:>8.1f}",
+                flush=True,
+            )
+    print(f"largest deviation: {worst:.2%} (target 3 %)")
+
+
+if __name__ == "__main__":
+    main()
