@@ -25,11 +25,20 @@ def test_exact_bytes_of_a_linear_layer_step():
 @pytest.mark.parametrize(
     ("name", "build", "batch"),
     [
-        ("iresnet_tiny", lambda: FaceRecognitionModule(num_classes=10, backbone="iresnet_tiny"),
-         lambda: (torch.randn(8, 3, 32, 32), torch.arange(8) % 10)),
-        ("sapiens_tiny", lambda: NormalEstimationModule(backbone="sapiens_tiny"),
-         lambda: {"image": torch.randn(2, 3, 64, 48), "normal": nn.functional.normalize(torch.randn(2, 3, 64, 48)),
-                  "mask": torch.ones(2, 1, 64, 48, dtype=torch.bool)}),
+        (
+            "iresnet_tiny",
+            lambda: FaceRecognitionModule(num_classes=10, backbone="iresnet_tiny"),
+            lambda: (torch.randn(8, 3, 32, 32), torch.arange(8) % 10),
+        ),
+        (
+            "sapiens_tiny",
+            lambda: NormalEstimationModule(backbone="sapiens_tiny"),
+            lambda: {
+                "image": torch.randn(2, 3, 64, 48),
+                "normal": nn.functional.normalize(torch.randn(2, 3, 64, 48)),
+                "mask": torch.ones(2, 1, 64, 48, dtype=torch.bool),
+            },
+        ),
     ],
 )
 def test_fake_mode_predicts_the_real_peak_within_three_percent(name, build, batch, precision):
@@ -43,8 +52,13 @@ def test_fake_mode_predicts_the_real_peak_within_three_percent(name, build, batc
 
 
 def test_fake_mode_allocates_nothing_for_a_large_model():
-    profile = profile_step(lambda: create_model("r100"), torch.randn(64, 3, 112, 112), mode="fake",
-                           loss_fn=lambda m, x: m(x).square().mean(), optimizer=_sgd)
+    profile = profile_step(
+        lambda: create_model("r100"),
+        torch.randn(64, 3, 112, 112),
+        mode="fake",
+        loss_fn=lambda m, x: m(x).square().mean(),
+        optimizer=_sgd,
+    )
     assert profile.breakdown["parameters"] == pytest.approx(65.16e6 * 4, rel=0.005)
     assert profile.breakdown["activations"] > profile.breakdown["parameters"]  # batch 64 at 112²
     assert profile.activations_by_module["layer1"] > profile.activations_by_module["layer4"]
@@ -59,8 +73,11 @@ def test_bf16_mixed_shrinks_the_activations():
 
 
 def test_the_table_lists_the_breakdown_and_modules():
-    profile = profile_step(lambda: FaceRecognitionModule(num_classes=10, backbone="iresnet_tiny"),
-                           (torch.randn(4, 3, 32, 32), torch.arange(4)), mode="fake")
+    profile = profile_step(
+        lambda: FaceRecognitionModule(num_classes=10, backbone="iresnet_tiny"),
+        (torch.randn(4, 3, 32, 32), torch.arange(4)),
+        mode="fake",
+    )
     table = profile.table()
     assert table.startswith("peak ") and "activations by module" in table and "backbone" in table
     assert profile.largest and profile.largest[0].nbytes >= profile.largest[-1].nbytes
@@ -68,8 +85,13 @@ def test_the_table_lists_the_breakdown_and_modules():
 
 def test_prepare_model_runs_before_profiling():
     seen = []
-    profile_step(nn.Linear(4, 4), torch.randn(2, 4), loss_fn=lambda m, x: m(x).sum(), optimizer=_sgd,
-                 prepare_model=lambda m: seen.append(type(m).__name__))
+    profile_step(
+        nn.Linear(4, 4),
+        torch.randn(2, 4),
+        loss_fn=lambda m, x: m(x).sum(),
+        optimizer=_sgd,
+        prepare_model=lambda m: seen.append(type(m).__name__),
+    )
     assert seen == ["Linear"]
 
 
@@ -91,6 +113,5 @@ def test_bad_arguments_are_named(kwargs, message):
 @pytest.mark.cuda
 def test_on_cuda_the_peak_is_the_allocators():
     layer = nn.Linear(1024, 1024).cuda()
-    profile = profile_step(layer, torch.randn(64, 1024, device="cuda"), loss_fn=lambda m, x: m(x).sum(),
-                           optimizer=_sgd)
+    profile = profile_step(layer, torch.randn(64, 1024, device="cuda"), loss_fn=lambda m, x: m(x).sum(), optimizer=_sgd)
     assert profile.mode == "real-cuda" and profile.peak_bytes >= profile.breakdown["parameters"] * 3

@@ -1,0 +1,53 @@
+import os
+
+import pytest
+import torch
+
+from lightning_memopt.cli.train import train
+from lightning_memopt.memory.allocator import ENV_VAR, allocator_settings, configure_allocator
+from tests.helpers import TINY_FACE
+
+
+def test_nothing_set_leaves_the_environment_alone(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert configure_allocator() is None
+    assert ENV_VAR not in os.environ
+
+
+def test_settings_are_written_and_merged_with_what_was_there(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "max_split_size_mb:64,roundup_power2_divisions:4")
+    value = configure_allocator(expandable_segments=True, max_split_size_mb=128, garbage_collection_threshold=0.6)
+    assert value == (
+        "max_split_size_mb:128,roundup_power2_divisions:4,expandable_segments:True,garbage_collection_threshold:0.6"
+    )
+    assert os.environ[ENV_VAR] == value
+
+
+def test_a_warning_when_cuda_is_already_initialised(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.warns(UserWarning, match="CUDA is already initialised"):
+        configure_allocator(expandable_segments=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"expandable_segments": "yes"}, r"`expandable_segments`='yes' must be true or false"),
+        ({"max_split_size_mb": 20}, r"`max_split_size_mb`=20 must be an integer above 20"),
+        ({"max_split_size_mb": 64.5}, r"`max_split_size_mb`=64.5 must be an integer above 20"),
+        ({"garbage_collection_threshold": 1.0}, r"`garbage_collection_threshold`=1.0 must be in \(0, 1\)"),
+    ],
+)
+def test_invalid_values_are_rejected_naming_the_option(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        allocator_settings(**kwargs)
+
+
+def test_memopt_train_writes_the_allocator_options_before_it_starts(compose_train, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    train(
+        compose_train(*TINY_FACE, "memopt.allocator.expandable_segments=true", "memopt.allocator.max_split_size_mb=256")
+    )
+    assert os.environ[ENV_VAR] == "expandable_segments:True,max_split_size_mb:256"
