@@ -54,8 +54,8 @@ def profile_preset(name: str, precision: str) -> dict:
     return row
 
 
-def monitor_overhead(rounds: int = 3, steps: int = 6) -> float:
-    """Mean step time with MemoryMonitor / without, r18 at 64×64, batch 16, interleaved runs."""
+def monitor_overhead(every_n_steps: int, steps: int, rounds: int = 2) -> float:
+    """Step time with MemoryMonitor / without, r18 at 64×64, batch 16, runs interleaved in one process."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -68,7 +68,7 @@ def monitor_overhead(rounds: int = 3, steps: int = 6) -> float:
     for _ in range(rounds):
         for variant in ("without", "with"):
             summary = TrainingSummary()
-            callbacks = [summary] + ([MemoryMonitor(every_n_steps=1)] if variant == "with" else [])
+            callbacks = [summary] + ([MemoryMonitor(every_n_steps=every_n_steps)] if variant == "with" else [])
             trainer = pl.Trainer(
                 accelerator="cpu",
                 max_steps=steps,
@@ -90,8 +90,9 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated presets (default: all)")
     parser.add_argument("--csv", default=str(Path(__file__).with_suffix(".csv")))
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--overhead-only", action="store_true")
     args = parser.parse_args()
-    names = [n for n in args.only.split(",") if n] or list(REFERENCE_RUNS)
+    names = [] if args.overhead_only else [n for n in args.only.split(",") if n] or list(REFERENCE_RUNS)
     rows = []
     print(
         f"{'preset':<14}{'precision':<12}{'batch':>6}{'peak GiB':>10}{'params':>9}{'grads':>8}{'optim':>8}"
@@ -106,13 +107,20 @@ def main() -> None:
             cells += [f"{gib[1]:>8.2f}{gib[2]:>8.2f}{gib[3]:>8.2f}{row['activations_gib']:>9.2f}"]
             cells += [f"{row['temporaries_gib']:>8.2f}  {row['phase']:<9}{row['seconds']:>5.0f}"]
             print("".join(cells), flush=True)
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {args.csv}")
+    if rows:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"wrote {args.csv}")
     if not args.skip_overhead:
-        print(f"MemoryMonitor overhead (step time with / without, r18 64x64 batch 16): {monitor_overhead():.3f}")
+        for every_n_steps, steps in ((50, 50), (1, 10)):
+            ratio = monitor_overhead(every_n_steps, steps)
+            print(
+                f"MemoryMonitor(every_n_steps={every_n_steps}) overhead over {steps} steps "
+                f"(step time with / without, r18 64x64 batch 16): {ratio:.3f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

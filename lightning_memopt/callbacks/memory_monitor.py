@@ -10,6 +10,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
+from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
 from lightning_memopt.memory.oom import is_oom_error
@@ -24,8 +25,9 @@ class MemoryMonitor(Callback):
 
     On CUDA it logs the caching allocator's peak allocated, reserved and active memory (GB),
     fragmentation (1 − allocated / reserved) and allocator retries, from ``torch.cuda.memory_stats``;
-    on other devices, the bytes of live tensors counted by a :class:`MemoryTracker` and the
-    peak since the last log. ``last_logged`` holds the latest figures. Under DDP every rank's value
+    on other devices, the live tensor bytes and the peak of that step counted by a
+    :class:`MemoryTracker` that runs through the sampled step only (one step in ``every_n_steps``,
+    so the Python-level accounting costs little). ``last_logged`` holds the latest figures. Under DDP every rank's value
     is logged (``…_rank{i}``) with the minimum and maximum across ranks. Peaks are reset after each log.
 
     When a training step raises an out-of-memory error it writes, into ``report_dir``:
@@ -74,7 +76,9 @@ class MemoryMonitor(Callback):
         self.prometheus_port = prometheus_port
         self.tracker: MemoryTracker | None = None
         self._gauges: dict[str, Any] = {}
-        self._last_logged_step = -1
+        self._sampled_step = -1
+        self._sampling = False
+        self.last_tracked: MemoryTracker | None = None
         self.last_logged: dict[str, float] = {}
 
     # -- set-up and tear-down ------------------------------------------------------------------
@@ -82,13 +86,8 @@ class MemoryMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if pl_module.device.type == "cuda":
-            if self.record_cuda_history:
-                torch.cuda.memory._record_memory_history(max_entries=100_000)
-        else:
-            self.tracker = MemoryTracker(record_timeline=True)
-            self.tracker.track_module(pl_module)
-            self.tracker.__enter__()
+        if pl_module.device.type == "cuda" and self.record_cuda_history:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
         if self.prometheus_port is not None:
             self._start_prometheus(trainer)
 
@@ -99,20 +98,34 @@ class MemoryMonitor(Callback):
 
     def _stop(self, pl_module: LightningModule) -> None:
         # called from teardown, and from on_exception (Lightning skips teardown hooks after an error)
+        self._stop_tracking()
+        if pl_module.device.type == "cuda" and self.record_cuda_history:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def _stop_tracking(self) -> None:
         if self.tracker is not None:
             self.tracker.__exit__(None, None, None)
             self.tracker.remove_hooks()
+            self.last_tracked = self.tracker
             self.tracker = None
-        elif pl_module.device.type == "cuda" and self.record_cuda_history:
-            torch.cuda.memory._record_memory_history(enabled=None)
 
-    # -- phases of a step (CPU tracker only) -------------------------------------------------
+    # -- one sampled step in every_n_steps -----------------------------------------------------
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.tracker is not None:
-            if self.tracker.timeline is not None:
-                self.tracker.timeline.clear()
-            self.tracker.phase = "forward"
+        if trainer.global_step % self.every_n_steps or trainer.global_step == self._sampled_step:
+            return
+        self._sampled_step = trainer.global_step
+        self._sampling = True
+        if pl_module.device.type == "cuda":
+            return
+        # off CUDA the figures come from a tracker that runs through this one step only
+        self.tracker = MemoryTracker(record_timeline=True)
+        self.tracker.track_module(pl_module)
+        for optimizer in trainer.optimizers:
+            self.tracker.track_optimizer(optimizer)
+        self.tracker.track(tree_flatten(batch)[0], "inputs", op="batch")
+        self.tracker.phase = "forward"
+        self.tracker.__enter__()
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
@@ -133,20 +146,19 @@ class MemoryMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if not self._sampling:
+            return
+        self._sampling = False
         if self.tracker is not None:
             for optimizer in trainer.optimizers:
                 self.tracker.relabel_optimizer_state(optimizer)
-            self.tracker.phase = "setup"
-        if trainer.sanity_checking or trainer.global_step % self.every_n_steps:
-            return
-        if self._last_logged_step == trainer.global_step:
-            return  # several batches per optimizer step under accumulation: log once
-        self._last_logged_step = trainer.global_step
-        self._log(trainer, pl_module, self.read(pl_module.device))
+        figures = self.read(pl_module.device)
+        self._stop_tracking()
+        self._log(trainer, pl_module, figures)
 
     # -- figures -------------------------------------------------------------------------------
     def read(self, device: torch.device) -> dict[str, float]:
-        """The current figures for ``device`` (and reset its peak)."""
+        """The figures of the sampled step on ``device`` (the CUDA peak is reset afterwards)."""
         if device.type == "cuda":
             stats = torch.cuda.memory_stats(device)
             allocated = stats.get("allocated_bytes.all.current", 0)
@@ -162,12 +174,10 @@ class MemoryMonitor(Callback):
             torch.cuda.reset_peak_memory_stats(device)
             return figures
         assert self.tracker is not None
-        figures = {
+        return {
             "peak_allocated_gb": self.tracker.peak.total_bytes / _GB,
             "allocated_gb": self.tracker.live_bytes / _GB,
         }
-        self.tracker.reset_peak()
-        return figures
 
     def _log(self, trainer: Trainer, pl_module: LightningModule, figures: dict[str, float]) -> None:
         names = list(figures)
@@ -203,7 +213,7 @@ class MemoryMonitor(Callback):
     # -- out of memory -------------------------------------------------------------------------
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if is_oom_error(exception) and (self.tracker is not None or pl_module.device.type == "cuda"):
+        if is_oom_error(exception):
             directory = self.report_dir or Path(trainer.default_root_dir) / "memopt"
             directory.mkdir(parents=True, exist_ok=True)
             title = f"out of memory at step {trainer.global_step}"
@@ -221,11 +231,15 @@ class MemoryMonitor(Callback):
             report_path = directory / "oom_report.txt"
             report_path.write_text(f"{title}\n\n{torch.cuda.memory_summary(device)}\n")
             return [snapshot_path, report_path]
-        assert self.tracker is not None
+        tracker = self.tracker or self.last_tracked
+        if tracker is None:
+            return []
+        if self.tracker is None:  # the failing step was not sampled: describe the last one that was
+            title += f" (memory of the last sampled step, {self._sampled_step}; the failing step was not tracked)"
         report_path = directory / "oom_report.txt"
-        report_path.write_text(format_report(self.tracker.peak, title))
+        report_path.write_text(format_report(tracker.peak, title))
         written.append(report_path)
         chart_path = directory / "oom_timeline.png"
-        if self.tracker.timeline and write_timeline_chart(self.tracker.timeline, chart_path, title):
+        if tracker.timeline and write_timeline_chart(tracker.timeline, chart_path, title):
             written.append(chart_path)
         return written

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field

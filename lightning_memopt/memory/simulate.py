@@ -61,11 +61,7 @@ class SimulatedDevice(MemoryTracker):
             self.track(item.buffers(), "parameters", op="buffer")
             self.track((p.grad for p in item.parameters()), "gradients", op="gradient")
         elif isinstance(item, torch.optim.Optimizer):
-            self.track(
-                (v for state in item.state.values() for v in state.values() if isinstance(v, torch.Tensor)),
-                "optimizer_state",
-                op="optimizer state",
-            )
+            self.track_optimizer(item)
         elif isinstance(item, torch.Tensor):
             self.track([item], "inputs")
         else:

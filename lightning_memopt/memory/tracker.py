@@ -100,7 +100,8 @@ class MemoryTracker(TorchDispatchMode):
         self.round_to = round_to
         self.phase = "setup"
         self.live_bytes = 0
-        self.peak = MemorySnapshot()
+        self._peak = MemorySnapshot()
+        self._peak_pending = False  # a new peak whose records are still exactly the live ones
         self.timeline: list[tuple[int, int, str]] | None = [] if record_timeline else None
         self._records: dict[int, StorageRecord] = {}
         self._module_stack: list[str] = []
@@ -126,12 +127,18 @@ class MemoryTracker(TorchDispatchMode):
             self.live_bytes += nbytes
             weakref.finalize(storage, self._remove, key)
             self._after_change()
-            if self.live_bytes > self.peak.total_bytes:
-                self.peak = MemorySnapshot(self.live_bytes, self.phase, list(self._records.values()))
+            if self.live_bytes > self._peak.total_bytes:
+                # copying the live records at every new peak would be quadratic in a growing forward pass:
+                # remember the peak now, copy its records only when memory first falls from it
+                self._peak = MemorySnapshot(self.live_bytes, self.phase)
+                self._peak_pending = True
             return record
 
     def _remove(self, key: int) -> None:
         with self._lock:
+            if self._peak_pending and key in self._records:
+                self._peak.records = list(self._records.values())
+                self._peak_pending = False
             record = self._records.pop(key, None)
             if record is not None:
                 self.live_bytes -= record.nbytes
@@ -163,12 +170,17 @@ class MemoryTracker(TorchDispatchMode):
                         record.category = category
 
     def track_module(self, module: nn.Module) -> None:
-        """Count ``module``'s parameters and buffers and attribute new storages to its top-level children."""
+        """Count ``module``'s parameters, buffers and gradients; attribute new storages to its top-level children."""
         self.track(module.parameters(), "parameters", op="parameter")
         self.track(module.buffers(), "parameters", op="buffer")
+        self.track((p.grad for p in module.parameters()), "gradients", op="gradient")
         for name, child in module.named_children():
             self._hooks.append(child.register_forward_pre_hook(self._enter_module(name)))
             self._hooks.append(child.register_forward_hook(self._leave_module))
+
+    def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count the tensors already in ``optimizer.state`` as optimizer state."""
+        self.track(_state_tensors(optimizer), "optimizer_state", op="optimizer state")
 
     def relabel_gradients(self, module: nn.Module) -> None:
         """Mark the current ``.grad`` of every parameter of ``module`` as gradients."""
@@ -209,10 +221,20 @@ class MemoryTracker(TorchDispatchMode):
         finally:
             self.phase = previous
 
+    @property
+    def peak(self) -> MemorySnapshot:
+        """The live storages at the highest count so far (since :meth:`reset_peak`)."""
+        with self._lock:
+            if self._peak_pending:
+                self._peak.records = list(self._records.values())
+                self._peak_pending = False
+            return self._peak
+
     def reset_peak(self) -> None:
         """Start a new peak from the bytes live now."""
         with self._lock:
-            self.peak = MemorySnapshot(self.live_bytes, self.phase, list(self._records.values()))
+            self._peak = MemorySnapshot(self.live_bytes, self.phase, list(self._records.values()))
+            self._peak_pending = False
             if self.timeline is not None:
                 self.timeline.clear()
 
