@@ -59,16 +59,21 @@ def scan_image_folder(
     samples: list[tuple[str, int]] = []
     for label, name in enumerate(classes):
         folder = os.path.join(root, name)
-        with os.scandir(folder) as entries:
-            files = sorted(
-                entry.name
-                for entry in entries
-                if entry.is_file() and not entry.name.startswith(".") and entry.name.lower().endswith(suffixes)
-            )
+        files = list_image_files(folder, suffixes)
         if not files:
             raise ValueError(f"identity folder {folder!r} has no image files (extensions {list(suffixes)!r})")
         samples.extend((os.path.join(folder, file), label) for file in files)
     return classes, samples
+
+
+def list_image_files(folder: str, suffixes: tuple[str, ...]) -> list[str]:
+    """Sorted names of the visible files in ``folder`` whose lower-cased name ends with one of ``suffixes``."""
+    with os.scandir(folder) as entries:
+        return sorted(
+            entry.name
+            for entry in entries
+            if entry.is_file() and not entry.name.startswith(".") and entry.name.lower().endswith(suffixes)
+        )
 
 
 def image_size_of(path: str) -> tuple[int, int]:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_memopt.data.image_folder_face import image_size_of, load_face_image
+from lightning_memopt.data.image_folder_face import image_size_of, list_image_files, load_face_image
 from lightning_memopt.data.loader_datamodule import LoaderDataModule
 from lightning_memopt.data.normals_sample import normals_sample
 
@@ -62,12 +62,7 @@ def scan_normals_folder(
     if not os.path.isdir(images):
         raise FileNotFoundError(f"normals folder {root!r} has no `images` sub-folder (expected {images!r})")
     suffixes = tuple(extension.lower() for extension in extensions)
-    with os.scandir(images) as entries:
-        names = sorted(
-            entry.name
-            for entry in entries
-            if entry.is_file() and not entry.name.startswith(".") and entry.name.lower().endswith(suffixes)
-        )
+    names = list_image_files(images, suffixes)
     if not names:
         raise ValueError(f"{images!r} has no image files (extensions {list(suffixes)!r})")
     samples = []
