@@ -13,7 +13,7 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / _GIB:.3f} GiB"
+    return f"{nbytes / _GIB:.3f} GiB" if nbytes >= 2**27 else f"{nbytes / 2**20:.3f} MiB"
 
 
 def suggestions(snapshot: MemorySnapshot) -> list[tuple[str, int, str]]:
@@ -37,7 +37,7 @@ def suggestions(snapshot: MemorySnapshot) -> list[tuple[str, int, str]]:
         kept = max(by_module.values())
         found.append(
             (
-                "activation checkpointing of the top-level blocks (ActivationCheckpointing)",
+                "activation checkpointing of the top-level blocks",
                 activations - kept,
                 "activations less the largest block's, which is recomputed live in backward",
             )
@@ -45,7 +45,7 @@ def suggestions(snapshot: MemorySnapshot) -> list[tuple[str, int, str]]:
     if fp32_activations:
         found.append(
             (
-                "bf16 mixed precision (PrecisionSwitch / precision=bf16_mixed)",
+                "bf16 mixed precision (precision=bf16_mixed)",
                 fp32_activations // 2,
                 "half of the activations now held in fp32",
             )
@@ -53,7 +53,7 @@ def suggestions(snapshot: MemorySnapshot) -> list[tuple[str, int, str]]:
     if activations or totals["inputs"]:
         found.append(
             (
-                "micro-batches of half the batch with 2-step accumulation (AdaptiveAccumulation)",
+                "micro-batches of half the batch, accumulated over 2 (trainer.accumulate_grad_batches=2)",
                 (activations + totals["inputs"]) // 2,
                 "half of the activations and inputs; the effective batch is unchanged",
             )
