@@ -38,7 +38,7 @@ class FitSummary:
                 "memopt-train summary",
                 f"  optimizer steps   {self.steps}",
                 f"  samples           {self.samples}  (all ranks)",
-                f"  samples/s         {self.samples_per_second:.1f}  (training batches only)",
+                f"  samples/s         {self.samples_per_second:.1f}  (training loop, validation excluded)",
                 f"  final train loss  {loss}",
                 f"  peak memory       {memory}  ({self.peak_memory_source})",
             ]
@@ -86,7 +86,8 @@ def _process_peak_rss_bytes() -> int:
 class TrainingSummary(Callback):
     """Measure a fit and print a summary at its end (rank 0).
 
-    Time counts training batches only (forward, backward, optimizer), not validation or start-up.
+    Time counts the training loop (data loading, forward, backward, optimizer, other callbacks), not
+    validation or start-up; a CUDA device is synchronised only where timing starts and stops.
     Samples are counted over all ranks. Peak memory is the CUDA allocator's peak on a GPU (reset at
     fit start), else the process's peak resident set size (reset at fit start on Linux, so each job
     of a multirun reports its own).
@@ -104,11 +105,12 @@ class TrainingSummary(Callback):
     def __init__(self, loss_key: str = "train/loss") -> None:
         self.loss_key = loss_key
         self.summary = FitSummary()
-        self._batch_started = 0.0
+        self._stretch_started: float | None = None
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.summary = FitSummary()
+        self._stretch_started = None
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
             self.summary.peak_memory_source = "CUDA allocator peak"
@@ -117,18 +119,37 @@ class TrainingSummary(Callback):
         else:
             self.summary.peak_memory_source = "process lifetime peak RSS"
 
+    # Time runs from the first training batch after fit start (or after validation) to the next
+    # validation or the end of training; the device is synchronised only at those boundaries, so the
+    # training step itself gets no extra host sync.
+    def _close_stretch(self, pl_module: LightningModule) -> None:
+        if self._stretch_started is None:
+            return
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)  # count the kernels, not just their launch
+        self.summary.train_seconds += time.perf_counter() - self._stretch_started
+        self._stretch_started = None
+
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._batch_started = time.perf_counter()
+        if self._stretch_started is None:
+            if pl_module.device.type == "cuda":
+                torch.cuda.synchronize(pl_module.device)
+            self._stretch_started = time.perf_counter()
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)  # count the step's kernels, not just their launch
-        self.summary.train_seconds += time.perf_counter() - self._batch_started
         self.summary.samples += _batch_size(batch) * trainer.world_size
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_stretch(pl_module)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_stretch(pl_module)
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
