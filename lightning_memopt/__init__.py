@@ -9,10 +9,10 @@ Example::
 
 from typing import Any
 
-from lightning_memopt.callbacks import MemoryMonitor, TrainingSummary
+from lightning_memopt.callbacks import ActivationCheckpointing, MemoryMonitor, TrainingSummary
 from lightning_memopt.models import create_model, list_models
 
-__all__ = ["MemoryMonitor", "TrainingSummary", "create_model", "list_models"]
+__all__ = ["ActivationCheckpointing", "MemoryMonitor", "TrainingSummary", "create_model", "list_models"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,7 @@
 """Lightning callbacks, one per file, each thin over the functional layer."""
 
+from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
 from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
 
-__all__ = ["FitSummary", "MemoryMonitor", "TrainingSummary"]
+__all__ = ["ActivationCheckpointing", "FitSummary", "MemoryMonitor", "TrainingSummary"]

@@ -3,7 +3,7 @@
 from lightning_memopt.memory.oom import is_oom_error, release_memory
 from lightning_memopt.memory.profile import MemoryProfile, TensorInfo, profile_step
 from lightning_memopt.memory.simulate import SimulatedDevice
-from lightning_memopt.memory.tracker import CATEGORIES, MemorySnapshot, MemoryTracker, StorageRecord
+from lightning_memopt.memory.tracker import CATEGORIES, MemorySnapshot, MemoryTracker, StorageRecord, host_memory
 
 __all__ = [
     "CATEGORIES",
@@ -13,6 +13,7 @@ __all__ = [
     "SimulatedDevice",
     "StorageRecord",
     "TensorInfo",
+    "host_memory",
     "is_oom_error",
     "profile_step",
     "release_memory",

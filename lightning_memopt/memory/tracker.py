@@ -3,6 +3,8 @@
 Works on any device and under ``FakeTensorMode`` (where nothing is allocated but every storage
 still has a size), so the same accounting measures a CPU step, a CUDA step, or a step that was
 never run. Storages are counted once (views share them) and leave the count when they die.
+Storages made inside :func:`host_memory` (activations offloaded to the host) are counted apart,
+as ``host_bytes``: they are not device memory.
 """
 
 from __future__ import annotations
@@ -28,6 +30,31 @@ _CATEGORY_OF_PHASE = {
     "backward": "temporaries",
     "optimizer": "temporaries",
 }
+
+
+_HOST_ALLOCATION = threading.local()
+
+
+@contextmanager
+def host_memory() -> Iterator[None]:
+    """Storages made inside the block are host memory: a tracker counts them in ``host_bytes``, not ``live_bytes``.
+
+    Example::
+
+        >>> tracker = MemoryTracker()
+        >>> with tracker:
+        ...     device = torch.ones(256)
+        ...     with host_memory():
+        ...         host = torch.ones(512)
+        >>> tracker.live_bytes, tracker.host_bytes, tracker.peak_host_bytes
+        (1024, 2048, 2048)
+    """
+    previous = getattr(_HOST_ALLOCATION, "active", False)
+    _HOST_ALLOCATION.active = True
+    try:
+        yield
+    finally:
+        _HOST_ALLOCATION.active = previous
 
 
 @dataclass
@@ -100,6 +127,9 @@ class MemoryTracker(TorchDispatchMode):
         self.round_to = round_to
         self.phase = "setup"
         self.live_bytes = 0
+        self.host_bytes = 0
+        self.peak_host_bytes = 0
+        self._host_records: dict[int, int] = {}
         self._peak = MemorySnapshot()
         self._peak_pending = False  # a new peak whose records are still exactly the live ones
         self.timeline: list[tuple[int, int, str]] | None = [] if record_timeline else None
@@ -116,6 +146,9 @@ class MemoryTracker(TorchDispatchMode):
     def _add(self, tensor: torch.Tensor, category: str, op: str) -> StorageRecord | None:
         storage = tensor.untyped_storage()
         key = id(storage)
+        if getattr(_HOST_ALLOCATION, "active", False):
+            self._add_host(storage, key)
+            return None
         with self._lock:
             record = self._records.get(key)
             if record is not None:
@@ -133,6 +166,20 @@ class MemoryTracker(TorchDispatchMode):
                 self._peak = MemorySnapshot(self.live_bytes, self.phase)
                 self._peak_pending = True
             return record
+
+    def _add_host(self, storage: torch.UntypedStorage, key: int) -> None:
+        with self._lock:
+            if key in self._host_records or key in self._records:
+                return
+            nbytes = self._rounded(storage.nbytes())
+            self._host_records[key] = nbytes
+            self.host_bytes += nbytes
+            self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+            weakref.finalize(storage, self._remove_host, key)
+
+    def _remove_host(self, key: int) -> None:
+        with self._lock:
+            self.host_bytes -= self._host_records.pop(key, 0)
 
     def _remove(self, key: int) -> None:
         with self._lock:
@@ -235,6 +282,7 @@ class MemoryTracker(TorchDispatchMode):
         with self._lock:
             self._peak = MemorySnapshot(self.live_bytes, self.phase, list(self._records.values()))
             self._peak_pending = False
+            self.peak_host_bytes = self.host_bytes
             if self.timeline is not None:
                 self.timeline.clear()
 

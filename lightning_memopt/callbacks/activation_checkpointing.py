@@ -1,0 +1,84 @@
+"""ActivationCheckpointing: checkpoint a LightningModule's blocks before the strategy wraps it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from typing_extensions import override
+
+from lightning_memopt.checkpointing import CheckpointReport, checkpoint_modules, parse_policy
+from lightning_memopt.checkpointing.wrap import remove_activation_checkpointing
+
+
+class ActivationCheckpointing(Callback):
+    """Inject non-reentrant activation checkpointing into the model, with no change to its code.
+
+    The policy is applied in ``setup``, or right after ``configure_model`` when the module builds
+    its layers there, so always before the strategy wraps the model; it is removed again in
+    ``teardown``, leaving the module as it was. Checkpointing patches ``forward`` of the chosen
+    modules instead of replacing them, so ``state_dict`` keys are unchanged and DDP works (no
+    "marked ready twice": nothing is reentrant). Under FSDP with its own
+    ``activation_checkpointing_policy`` the strategy's policy is used and this callback stands
+    aside, so nothing is checkpointed twice.
+
+    Args:
+        policy: what to checkpoint and how; see
+            :func:`~lightning_memopt.checkpointing.apply_activation_checkpointing`. ``"preset"``
+            (the default) checkpoints the blocks of every shipped preset family.
+
+    Raises:
+        MisconfigurationException: a malformed policy (in ``__init__``), or one that matches no
+            module of the LightningModule (in ``setup``, listing the classes present).
+
+    Example::
+
+        >>> ActivationCheckpointing([{"modules": "backbone.blocks.*", "every_n": 2}, "offload"]).policies[1].mode
+        'offload'
+    """
+
+    def __init__(self, policy: Any = "preset") -> None:
+        try:
+            self.policies = parse_policy(policy)
+        except (TypeError, ValueError) as error:
+            raise MisconfigurationException(f"ActivationCheckpointing: bad `policy`={policy!r}: {error}") from None
+        self.report: CheckpointReport | None = None
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, FSDPStrategy) and getattr(strategy, "_activation_checkpointing_kwargs", None):
+            rank_zero_info(
+                "ActivationCheckpointing: the FSDP strategy has its own `activation_checkpointing_policy`; "
+                "leaving checkpointing to it"
+            )
+            return
+        if is_overridden("configure_model", pl_module):
+            self._apply_after_configure_model(pl_module)
+        else:
+            self._apply(pl_module)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        remove_activation_checkpointing(pl_module)
+
+    def _apply(self, pl_module: LightningModule) -> None:
+        try:
+            self.report = checkpoint_modules(pl_module, self.policies)
+        except ValueError as error:
+            raise MisconfigurationException(f"ActivationCheckpointing: {error}") from None
+        rank_zero_info(f"ActivationCheckpointing: {self.report.describe()}")
+
+    def _apply_after_configure_model(self, pl_module: LightningModule) -> None:
+        configure_model = pl_module.configure_model
+
+        def configure_then_checkpoint() -> None:
+            del pl_module.configure_model  # back to the class's own hook
+            configure_model()
+            self._apply(pl_module)
+
+        pl_module.configure_model = configure_then_checkpoint  # type: ignore[method-assign]

@@ -1,0 +1,222 @@
+"""apply / remove activation checkpointing on any model, without editing it.
+
+A module is checkpointed by giving it an instance ``forward`` that runs the class's forward
+under non-reentrant ``torch.utils.checkpoint`` (or under host offloading). Nothing is replaced:
+module names, ``state_dict`` keys, ``isinstance`` checks, parameters and hooks stay as they were,
+so checkpoints load either way and DDP or FSDP may wrap the model before or after.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
+
+from lightning_memopt.checkpointing.offload import offload_to_host
+from lightning_memopt.checkpointing.policy import describe_model, parse_policy
+from lightning_memopt.checkpointing.selective import selective_context
+
+log = logging.getLogger(__name__)
+_MARK = "_memopt_checkpoint_mode"
+
+
+@dataclass
+class CheckpointReport:
+    """What one :func:`checkpoint_modules` call left checkpointed: names and classes per mode."""
+
+    modules: dict[str, str] = field(default_factory=dict)  # module name -> mode
+    classes: dict[str, Counter[str]] = field(default_factory=dict)  # mode -> class name -> count
+
+    @property
+    def count(self) -> int:
+        return len(self.modules)
+
+    def describe(self) -> str:
+        """``"wrapped 30 modules: full 30 (IBasicBlock ×30)"``."""
+        parts = [
+            f"{mode} {sum(counts.values())} ({', '.join(f'{name} ×{n}' for name, n in counts.most_common())})"
+            for mode, counts in self.classes.items()
+        ]
+        return f"wrapped {self.count} modules: " + "; ".join(parts)
+
+
+class CheckpointedForward:
+    """The instance ``forward`` of a checkpointed module: the class's forward, recomputed or offloaded."""
+
+    def __init__(self, module: nn.Module, mode: str, previous: Callable[..., Any] | None) -> None:
+        self.module = module
+        self.mode = mode
+        self.previous = previous  # an instance forward that was there before ours, kept and restored
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.mode == "offload":
+            with offload_to_host():
+                return self._forward(*args, **kwargs)
+        if not torch.is_grad_enabled():  # nothing is saved for backward: nothing to recompute
+            return self._forward(*args, **kwargs)
+        options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
+        if self.mode == "selective":
+            options["context_fn"] = selective_context
+        # compiled, the recomputation is planned by the compiler and never calls back into Python
+        compiling = torch.compiler.is_compiling()
+        function = self._forward if compiling else _RecomputeOnScratchNormStats(self._forward, self.module)
+        return checkpoint(function, *args, **options, **kwargs)
+
+
+def checkpoint_modules(model: nn.Module, policy: Any) -> CheckpointReport:
+    """Checkpoint the modules of ``model`` that ``policy`` selects; see :func:`apply_activation_checkpointing`."""
+    policies = parse_policy(policy)
+    already = {name: getattr(module, _MARK) for name, module in model.named_modules() if hasattr(module, _MARK)}
+    claimed: dict[str, tuple[nn.Module, str]] = {}
+    for rule in policies:
+        matches = rule.matches(model)
+        if not matches:
+            raise ValueError(f"Checkpointing policy {rule.describe()} matches no module; {describe_model(model)}")
+        taken = [
+            (name, module)
+            for name, module in matches
+            if name not in claimed
+            and not _overlaps(name, claimed)
+            and (name in already or not _overlaps(name, already))
+        ]
+        if not taken:
+            log.warning(
+                "Checkpointing policy %s matched %d modules, all inside or around modules an earlier policy took",
+                rule.describe(),
+                len(matches),
+            )
+        claimed.update((name, (module, rule.mode)) for name, module in taken)
+    report = CheckpointReport()
+    for name, (module, mode) in claimed.items():
+        _wrap(module, mode)
+        report.modules[name] = mode
+        report.classes.setdefault(mode, Counter())[type(module).__name__] += 1
+    for name, mode in already.items():
+        if name not in claimed:
+            report.modules[name] = mode
+    return report
+
+
+def apply_activation_checkpointing(model: nn.Module, policy: Any = "preset") -> int:
+    """Checkpoint the modules of ``model`` that ``policy`` selects; return how many are checkpointed.
+
+    Applying again is idempotent (a module already wrapped the same way is left as it is, one
+    wrapped differently takes the new mode). A module inside or around one that is already
+    checkpointed is not wrapped again: checkpoints never nest.
+
+    Args:
+        model: any ``nn.Module`` (a LightningModule included).
+        policy: anything :func:`~lightning_memopt.checkpointing.policy.parse_policy` accepts:
+            ``"preset"``, ``"selective"``, ``"offload"``, ``"every_n"``, module classes or dotted
+            paths, name globs, ``{"modules": ..., "every_n": ..., "mode": ...}``, or a list of those.
+
+    Returns:
+        The number of modules of ``model`` checkpointed by this call or an earlier one.
+
+    Raises:
+        ValueError: a policy that matches no module (listing the classes and top-level children
+            present), or a malformed policy.
+
+    Example::
+
+        >>> from lightning_memopt.models import create_model
+        >>> model = create_model("iresnet_tiny")
+        >>> apply_activation_checkpointing(model, "preset"), apply_activation_checkpointing(model, "preset")
+        (4, 4)
+        >>> remove_activation_checkpointing(model)
+        4
+    """
+    report = checkpoint_modules(model, policy)
+    log.info("Activation checkpointing %s", report.describe())
+    return report.count
+
+
+def remove_activation_checkpointing(model: nn.Module) -> int:
+    """Restore the original forward of every checkpointed module in ``model``; return how many.
+
+    Example::
+
+        >>> remove_activation_checkpointing(nn.Linear(2, 2))
+        0
+    """
+    removed = 0
+    for module in model.modules():
+        if hasattr(module, _MARK):
+            forward = module.__dict__.pop("forward")
+            if forward.previous is not None:
+                module.forward = forward.previous
+            delattr(module, _MARK)
+            removed += 1
+    return removed
+
+
+def checkpoint_mode(module: nn.Module) -> str | None:
+    """The mode ``module`` is checkpointed with, or None."""
+    return getattr(module, _MARK, None)
+
+
+def _wrap(module: nn.Module, mode: str) -> None:
+    current = module.__dict__.get("forward")
+    if isinstance(current, CheckpointedForward):
+        current.mode = mode
+    else:
+        module.forward = CheckpointedForward(module, mode, current)
+    setattr(module, _MARK, mode)
+
+
+def _overlaps(name: str, names: dict[str, Any]) -> bool:
+    """Whether ``name`` lies inside or around one of ``names`` (the root "" surrounds all)."""
+    for other in names:
+        if other == name:
+            continue
+        if not other or not name or name.startswith(other + ".") or other.startswith(name + "."):
+            return True
+    return False
+
+
+class _RecomputeOnScratchNormStats:
+    """Run ``forward``; on its recomputation in backward, let batch norms update scratch copies of their statistics.
+
+    Without this the running mean, variance and batch count would be updated twice per step. The
+    copies are made here, before the checkpointed region, and swapped in by attribute assignment,
+    so the recomputation issues exactly the ops of the first run (selective checkpointing replays
+    them one for one).
+    """
+
+    def __init__(self, forward: Callable[..., Any], module: nn.Module) -> None:
+        self.forward = forward
+        self.norms = [
+            norm for norm in module.modules() if isinstance(norm, _BatchNorm) and norm.training and norm.track_running_stats
+        ]
+        self.scratch = [
+            {name: buffer.clone() for name, buffer in norm.named_buffers(recurse=False)} for norm in self.norms
+        ]
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1 or not self.norms:
+            return self.forward(*args, **kwargs)
+        real = [dict(norm.named_buffers(recurse=False)) for norm in self.norms]
+        self._swap_in(self.scratch)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            self._swap_in(real)
+
+    def _swap_in(self, buffers: list[dict[str, torch.Tensor]]) -> None:
+        for norm, named in zip(self.norms, buffers, strict=True):
+            for name, buffer in named.items():
+                setattr(norm, name, buffer)
