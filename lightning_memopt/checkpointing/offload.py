@@ -27,7 +27,7 @@ def _pack(tensor: torch.Tensor) -> torch.Tensor | OffloadedTensor:
         return tensor
     pin = tensor.device.type == "cuda"
     with host_memory():
-        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
+        host = torch.empty_like(tensor, device="cpu", pin_memory=pin)  # same strides: kernels pick the same path
         host.copy_(tensor, non_blocking=pin)
     return OffloadedTensor(tensor.device, host)
 

@@ -24,7 +24,10 @@ POLICY_KEYS = ("modules", "every_n", "mode")
 PRESET_BLOCKS = (
     "lightning_memopt.models.iresnet.IBasicBlock",
     "lightning_memopt.models.vit.ViTBlock",
+    "lightning_memopt.models.normal_head.ConvNormAct",
     "lightning_memopt.models.cotracker.fnet.BasicEncoder",
+    "lightning_memopt.models.cotracker.correlation.FullCorrelation",
+    "lightning_memopt.models.cotracker.correlation.LocalCorrelation",
     "lightning_memopt.models.cotracker.updateformer.AttentionBlock",
 )
 # components that wrappers (FSDP, torch's checkpoint wrapper, torch.compile) insert into module names

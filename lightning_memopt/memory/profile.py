@@ -49,6 +49,7 @@ class MemoryProfile:
     mode: str
     precision: str
     largest: list[TensorInfo] = field(default_factory=list)
+    offloaded_bytes: int = 0  # the most host memory that offloaded activations held at once
 
     @property
     def peak_gib(self) -> float:
@@ -145,8 +146,12 @@ def profile_step(
             )
         device = _device_of(module)
         autocast = torch.autocast(device.type, dtype=half, enabled=precision.endswith("-mixed"))
-        peak = _run_steps(module, batch, step, opt, autocast, steps, device, round_to, fake_mode is not None, stack)
-    return _profile_from(peak, mode, precision, device, fake_mode is not None)
+        peak, offloaded = _run_steps(
+            module, batch, step, opt, autocast, steps, device, round_to, fake_mode is not None, stack
+        )
+    profile = _profile_from(peak, mode, precision, device, fake_mode is not None)
+    profile.offloaded_bytes = offloaded
+    return profile
 
 
 def _run_steps(
@@ -160,7 +165,7 @@ def _run_steps(
     round_to: int,
     fake: bool,
     stack: contextlib.ExitStack,
-) -> MemorySnapshot:
+) -> tuple[MemorySnapshot, int]:
     tracker = MemoryTracker(round_to=round_to)
     tracker.track_module(module)
     tracker.track(_tensors(batch), "inputs", op="batch")
@@ -185,7 +190,7 @@ def _run_steps(
     peak = tracker.peak
     if on_cuda:
         peak = MemorySnapshot(torch.cuda.max_memory_allocated(device), peak.phase, peak.records)
-    return peak
+    return peak, tracker.peak_host_bytes
 
 
 def _profile_from(peak: MemorySnapshot, mode: str, precision: str, device: torch.device, fake: bool) -> MemoryProfile:

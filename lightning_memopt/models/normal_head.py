@@ -8,11 +8,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+class ConvNormAct(nn.Sequential):
+    """One head stage: a convolution, then InstanceNorm2d and SiLU (the unit activation checkpointing wraps)."""
+
+    def __init__(self, conv: nn.Module, channels: int) -> None:
+        super().__init__(conv, nn.InstanceNorm2d(channels), nn.SiLU())
+
+
 class NormalHead(nn.Module):
     """Feature map ``[B, C, h, w]`` → unit surface normals ``[B, 3, 2ᵏh, 2ᵏw]``.
 
     ``k`` transposed convs (kernel 4, stride 2, padding 1, no bias; each doubles the size) then
-    1×1 convs, every one followed by InstanceNorm2d and SiLU, then a final 1×1 conv to 3 channels;
+    1×1 convs, every one followed by InstanceNorm2d and SiLU (one :class:`ConvNormAct` stage each), then a final 1×1 conv to 3 channels;
     the output is normalised to unit length over the channels. With the published three deconv
     stages, a 64 × 48 feature map becomes a 512 × 384 normal map.
 
@@ -47,15 +54,18 @@ class NormalHead(nn.Module):
                 f"`deconv_channels`={list(deconv_channels)!r}, `conv_channels`={list(conv_channels)!r}"
             )
         self.upscale = 2 ** len(deconv_channels)
-        upsample: list[nn.Module] = []
-        for source, target in zip(channels, deconv_channels, strict=False):
-            deconv = nn.ConvTranspose2d(source, target, kernel_size=4, stride=2, padding=1, bias=False)
-            upsample += [deconv, nn.InstanceNorm2d(target), nn.SiLU()]
-        refine: list[nn.Module] = []
-        for source, target in zip(channels[len(deconv_channels) :], conv_channels, strict=False):
-            refine += [nn.Conv2d(source, target, kernel_size=1), nn.InstanceNorm2d(target), nn.SiLU()]
-        self.upsample = nn.Sequential(*upsample)
-        self.refine = nn.Sequential(*refine)
+        self.upsample = nn.Sequential(
+            *(
+                ConvNormAct(nn.ConvTranspose2d(source, target, kernel_size=4, stride=2, padding=1, bias=False), target)
+                for source, target in zip(channels, deconv_channels, strict=False)
+            )
+        )
+        self.refine = nn.Sequential(
+            *(
+                ConvNormAct(nn.Conv2d(source, target, kernel_size=1), target)
+                for source, target in zip(channels[len(deconv_channels) :], conv_channels, strict=False)
+            )
+        )
         self.predict = nn.Conv2d(channels[-1], 3, kernel_size=1)
 
     def forward(self, features: Tensor) -> Tensor:

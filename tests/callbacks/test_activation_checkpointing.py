@@ -53,8 +53,8 @@ def test_fit_checkpoints_during_training_gives_the_same_weights_and_restores_the
     callback = ActivationCheckpointing("preset")
     checkpointed = _fit(TinyViTModule(), callback)
     assert checkpointed.modes_seen == [["full", "full"]] * 2
-    assert callback.report.count == 2
-    assert messages == ["ActivationCheckpointing: wrapped 2 modules: full 2 (ViTBlock ×2)"]
+    assert callback.report.count == 8
+    assert messages == ["ActivationCheckpointing: wrapped 8 modules: full 8 (ConvNormAct ×6, ViTBlock ×2)"]
     assert all(checkpoint_mode(m) is None for m in checkpointed.modules())  # removed in teardown
     for (name, expected), got in zip(reference.state_dict().items(), checkpointed.state_dict().values(), strict=True):
         assert torch.equal(expected, got), name
@@ -91,7 +91,7 @@ def test_under_fsdp_with_its_own_policy_the_callback_stands_aside():
     assert all(checkpoint_mode(m) is None for m in module.modules())
     callback.setup(type("FakeTrainer", (), {"strategy": FSDPStrategy()})(), module, "fit")
     module.configure_model()  # as Lightning calls it, before FSDP wraps the model
-    assert callback.report.count == 2  # without a policy of its own, FSDP gets ours
+    assert callback.report.count == 8  # without a policy of its own, FSDP gets ours
 
 
 def test_the_hydra_bundle_composes(compose_train):

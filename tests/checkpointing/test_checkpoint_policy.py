@@ -70,11 +70,16 @@ def test_preset_blocks_of_each_family():
     face = create_model("iresnet_tiny")
     assert {type(m) for _, m in Policy().matches(face)} == {IBasicBlock}
     sapiens = create_model("sapiens_tiny")
-    assert [name for name, _ in Policy().matches(sapiens)] == ["backbone.blocks.0", "backbone.blocks.1"]
+    assert [name for name, _ in Policy().matches(sapiens)] == [
+        "backbone.blocks.0",
+        "backbone.blocks.1",
+        *(f"head.upsample.{index}" for index in range(3)),
+        *(f"head.refine.{index}" for index in range(3)),
+    ]
     tracker = create_model("cotracker3_tiny")
     names = [name for name, _ in Policy().matches(tracker)]
-    assert names[0] == "fnet" and all(name.startswith("updateformer.") for name in names[1:])
-    assert len(names) == 1 + 4  # fnet, one time block and three space blocks
+    assert names[:2] == ["fnet", "correlation"] and all(name.startswith("updateformer.") for name in names[2:])
+    assert len(names) == 2 + 4  # fnet, correlation, one time block and three space blocks
 
 
 def test_every_n_keeps_every_nth_sibling_and_sqrt_picks_about_sqrt_l():

@@ -47,11 +47,11 @@ def test_presets_have_the_published_architecture(name):
 def test_normal_head_has_three_deconvs_then_1x1_convs_to_three_unit_channels():
     with torch.device("meta"):
         head = create_model("sapiens_1b").head
-    deconvs = [m for m in head.upsample if isinstance(m, nn.ConvTranspose2d)]
+    deconvs = [m for m in head.upsample.modules() if isinstance(m, nn.ConvTranspose2d)]
     assert [(d.in_channels, d.out_channels) for d in deconvs] == [(1536, 768), (768, 768), (768, 768)]
     assert all((d.kernel_size, d.stride, d.padding, d.bias) == ((4, 4), (2, 2), (1, 1), None) for d in deconvs)
-    assert [type(m) for m in head.upsample[:3]] == [nn.ConvTranspose2d, nn.InstanceNorm2d, nn.SiLU]
-    convs = [m for m in head.refine if isinstance(m, nn.Conv2d)]
+    assert [type(m) for m in head.upsample[0]] == [nn.ConvTranspose2d, nn.InstanceNorm2d, nn.SiLU]
+    convs = [m for m in head.refine.modules() if isinstance(m, nn.Conv2d)]
     assert [(c.out_channels, c.kernel_size) for c in convs] == [(768, (1, 1))] * 3
     assert (head.predict.in_channels, head.predict.out_channels, head.predict.kernel_size) == (768, 3, (1, 1))
 
@@ -89,7 +89,7 @@ def test_presets_are_registered_and_take_overrides():
     net = create_model("sapiens_tiny", attn_impl="math", drop_path_rate=0.1, head_conv_layers=1)
     assert net.backbone.blocks[0].attn.attn_impl == "math"
     assert net.backbone.blocks[-1].drop_path.rate == pytest.approx(0.1)
-    assert sum(isinstance(m, nn.Conv2d) for m in net.head.refine) == 1
+    assert sum(isinstance(m, nn.Conv2d) for m in net.head.refine.modules()) == 1
 
 
 def test_head_upscales_8x_and_refuses_empty_channels():

@@ -143,7 +143,7 @@ def test_layer_wise_lr_decay_and_no_weight_decay_on_biases_norms_and_position_ta
     assert lr("backbone.pos_embed") == lr("backbone.patch_embed.weight") == pytest.approx(0.85**4)
     assert [lr(f"backbone.blocks.{i}.attn.qkv.weight") for i in range(3)] == pytest.approx([0.85**3, 0.85**2, 0.85])
     assert lr("backbone.norm.weight") == lr("head.predict.weight") == 1.0
-    assert decay("backbone.blocks.0.ffn.0.weight") == decay("head.upsample.0.weight") == 0.1
+    assert decay("backbone.blocks.0.ffn.0.weight") == decay("head.upsample.0.0.weight") == 0.1
     no_decay = ["backbone.pos_embed", "backbone.blocks.0.attn.qkv.bias", "backbone.blocks.1.norm1.weight"]
     assert [decay(name) for name in no_decay + ["backbone.norm.bias", "head.predict.bias"]] == [0.0] * 5
 

@@ -1,0 +1,181 @@
+"""Activation peak and step time with each checkpointing policy, for r100, sapiens_0.3b and cotracker3.
+
+    python benchmarks/activation_checkpointing.py [--only r100,cotracker3] [--rounds 2]
+                                                  [--csv benchmarks/activation_checkpointing.csv]
+
+Bytes: one fp32 forward + backward counted by the project's MemoryTracker under FakeTensorMode
+(nothing allocated; the same ops as a real step, so the same bytes). The activation peak is the
+step's peak minus parameters, gradients (allocated up front, so they stay constant) and the
+batch: the most memory the step's activations and temporaries hold at once. Offloaded
+activations are host memory and are reported apart.
+
+Time: real CPU steps of every policy interleaved in one process, ``--rounds`` times each after one
+untimed warm-up step per policy; the fastest step of each policy over the fastest without
+checkpointing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memopt.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
+from lightning_memopt.memory import profile_step
+from lightning_memopt.models import create_model
+
+POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": "preset",
+    "every_n=2": {"every_n": 2},
+    "selective": "selective",
+    "offload": "offload",
+}
+_MIB = 2**20
+
+
+@dataclass
+class Case:
+    """One model at its reference input: how to build it, a batch, and a scalar loss of its output."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[], tuple[torch.Tensor, ...]]
+    loss: Callable[[Any], torch.Tensor]
+
+
+def _tracking_loss(output: Any) -> torch.Tensor:
+    return output.window_tracks.square().mean() + output.window_visibility.mean() + output.window_confidence.mean()
+
+
+def _tracking_clip(tracks: int = 768, frames: int = 16, size: tuple[int, int] = (384, 512)) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(0)
+    video = torch.rand(1, frames, 3, *size, generator=generator) * 255
+    positions = torch.rand(1, tracks, 2, generator=generator) * torch.tensor([size[1] - 1, size[0] - 1])
+    query_frames = torch.randint(0, frames, (1, tracks, 1), generator=generator).float()
+    return video, torch.cat([query_frames, positions], dim=-1)
+
+
+CASES = {
+    "r100": Case(
+        "r100 (batch 64, 112²)",
+        lambda: create_model("r100"),
+        lambda: (torch.randn(64, 3, 112, 112),),
+        lambda output: output.square().mean(),
+    ),
+    "sapiens_0.3b": Case(
+        "sapiens_0.3b (512×384, batch 1)",
+        lambda: create_model("sapiens_0.3b"),
+        lambda: (torch.randn(1, 3, 512, 384),),
+        lambda output: output.square().mean(),
+    ),
+    "cotracker3": Case(
+        "cotracker3 (768 tracks, 384×512, window 16)",
+        lambda: create_model("cotracker3"),
+        _tracking_clip,
+        _tracking_loss,
+    ),
+}
+
+
+def activation_peak(case: Case, policy: Any) -> tuple[int, int]:
+    """(activation peak, peak offloaded host bytes) of one forward + backward, counted in fake mode."""
+    def prepare(model: nn.Module) -> None:
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        if policy is not None:
+            apply_activation_checkpointing(model, policy)
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return case.loss(model(*batch))
+
+    profile = profile_step(
+        case.build,
+        case.batch(),
+        loss_fn=loss_fn,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.0),
+        mode="fake",
+        steps=1,
+        prepare_model=prepare,
+    )
+    static = sum(profile.breakdown[key] for key in ("parameters", "gradients", "inputs", "optimizer_state"))
+    return profile.peak_bytes - static, profile.offloaded_bytes
+
+
+def step_times(case: Case, rounds: int) -> dict[str, float]:
+    """The fastest real CPU step of each policy, the policies interleaved round by round."""
+    torch.manual_seed(0)
+    model = case.build()
+    batch = case.batch()
+    times: dict[str, list[float]] = {name: [] for name in POLICIES}
+    for round_index in range(rounds + 1):
+        for name, policy in POLICIES.items():
+            remove_activation_checkpointing(model)
+            if policy is not None:
+                apply_activation_checkpointing(model, policy)
+            model.zero_grad(set_to_none=True)
+            started = time.perf_counter()
+            case.loss(model(*batch)).backward()
+            if round_index:  # round 0 warms up every policy
+                times[name].append(time.perf_counter() - started)
+    return {name: min(values) for name, values in times.items()}
+
+
+def measure(key: str, rounds: int) -> list[dict]:
+    case = CASES[key]
+    peaks = {name: activation_peak(case, policy) for name, policy in POLICIES.items()}
+    times = step_times(case, rounds) if rounds else {}
+    baseline_bytes = peaks["none"][0]
+    rows = []
+    for name in POLICIES:
+        activation, host = peaks[name]
+        rows.append(
+            {
+                "model": case.name,
+                "policy": name,
+                "activation_peak_mib": activation / _MIB,
+                "reduction": baseline_bytes / activation,
+                "offloaded_mib": host / _MIB,
+                "step_time_ratio": times[name] / times["none"] if times else float("nan"),
+                "step_seconds": times.get(name, float("nan")),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    parser.add_argument("--rounds", type=int, default=2, help="timed steps per policy (0: bytes only)")
+    parser.add_argument("--csv", type=Path, default=Path(__file__).with_name("activation_checkpointing.csv"))
+    args = parser.parse_args()
+    keys = args.only.split(",")
+    unknown = sorted(set(keys) - set(CASES))
+    if unknown:
+        parser.error(f"unknown --only entries {unknown}; valid choices: {', '.join(CASES)}")
+    rows = []
+    print(f"{'model':<44}{'policy':<11}{'act. peak MiB':>14}{'reduction':>10}{'offloaded MiB':>14}{'time ×':>8}")
+    for key in keys:
+        for row in measure(key, args.rounds):
+            rows.append(row)
+            print(
+                f"{row['model']:<44}{row['policy']:<11}{row['activation_peak_mib']:>14.1f}{row['reduction']:>9.2f}×"
+                f"{row['offloaded_mib']:>14.1f}{row['step_time_ratio']:>8.2f}",
+                flush=True,
+            )
+    with args.csv.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {args.csv}")
+
+
+if __name__ == "__main__":
+    main()
