@@ -87,6 +87,7 @@ CASES = {
 
 def activation_peak(case: Case, policy: Any) -> tuple[int, int]:
     """(activation peak, peak offloaded host bytes) of one forward + backward, counted in fake mode."""
+
     def prepare(model: nn.Module) -> None:
         for parameter in model.parameters():
             parameter.grad = torch.zeros_like(parameter)

@@ -67,7 +67,10 @@ class Policy:
     mode: str = "full"
 
     def __init__(
-        self, modules: ModuleSpec | Iterable[ModuleSpec] | None = None, every_n: int | str | None = None, mode: str = "full"
+        self,
+        modules: ModuleSpec | Iterable[ModuleSpec] | None = None,
+        every_n: int | str | None = None,
+        mode: str = "full",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"Unknown `mode`={mode!r}; valid choices: {', '.join(MODES)}")

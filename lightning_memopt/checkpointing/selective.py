@@ -27,7 +27,9 @@ _SAVED_OP_NAMES = (
     "_flash_attention_forward",
     "_efficient_attention_forward",
 )
-SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in _SAVED_OP_NAMES if hasattr(torch.ops.aten, name))
+SAVED_OPS = frozenset(
+    getattr(torch.ops.aten, name).default for name in _SAVED_OP_NAMES if hasattr(torch.ops.aten, name)
+)
 
 
 def save_expensive_ops(context: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -198,7 +198,9 @@ class _RecomputeOnScratchNormStats:
     def __init__(self, forward: Callable[..., Any], module: nn.Module) -> None:
         self.forward = forward
         self.norms = [
-            norm for norm in module.modules() if isinstance(norm, _BatchNorm) and norm.training and norm.track_running_stats
+            norm
+            for norm in module.modules()
+            if isinstance(norm, _BatchNorm) and norm.training and norm.track_running_stats
         ]
         self.scratch = [
             {name: buffer.clone() for name, buffer in norm.named_buffers(recurse=False)} for norm in self.norms

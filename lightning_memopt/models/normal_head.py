@@ -19,9 +19,9 @@ class NormalHead(nn.Module):
     """Feature map ``[B, C, h, w]`` → unit surface normals ``[B, 3, 2ᵏh, 2ᵏw]``.
 
     ``k`` transposed convs (kernel 4, stride 2, padding 1, no bias; each doubles the size) then
-    1×1 convs, every one followed by InstanceNorm2d and SiLU (one :class:`ConvNormAct` stage each), then a final 1×1 conv to 3 channels;
-    the output is normalised to unit length over the channels. With the published three deconv
-    stages, a 64 × 48 feature map becomes a 512 × 384 normal map.
+    1×1 convs, every one followed by InstanceNorm2d and SiLU (one :class:`ConvNormAct` stage each),
+    then a final 1×1 conv to 3 channels; the output is normalised to unit length over the channels.
+    With the published three deconv stages, a 64 × 48 feature map becomes a 512 × 384 normal map.
 
     Args:
         in_channels: channels ``C`` of the feature map.

@@ -1,12 +1,12 @@
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import TINY_FACE, quiet_trainer, run_memopt_train
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import TINY_FACE, quiet_trainer, run_memopt_train
 from lightning_memopt import ActivationCheckpointing
 from lightning_memopt.callbacks import activation_checkpointing as callback_module
 from lightning_memopt.checkpointing import checkpoint_mode

@@ -93,7 +93,9 @@ def test_every_n_keeps_every_nth_sibling_and_sqrt_picks_about_sqrt_l():
 
 def test_composed_policies_first_match_wins_and_the_rest_is_offloaded():
     vit = create_model("sapiens_tiny", depth=4)
-    count = apply_activation_checkpointing(vit, [{"modules": ViTBlock, "every_n": 2}, {"modules": ViTBlock, "mode": "offload"}])
+    count = apply_activation_checkpointing(
+        vit, [{"modules": ViTBlock, "every_n": 2}, {"modules": ViTBlock, "mode": "offload"}]
+    )
     assert count == 4
     assert [checkpoint_mode(block) for block in vit.backbone.blocks] == ["full", "offload", "full", "offload"]
 
