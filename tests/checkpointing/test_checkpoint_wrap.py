@@ -11,7 +11,7 @@ from lightning_memopt.checkpointing import (
     offload_to_host,
     remove_activation_checkpointing,
 )
-from lightning_memopt.memory import MemoryTracker
+from lightning_memopt.memory import MemoryTracker, profile_step
 from lightning_memopt.models import create_model
 
 
@@ -198,3 +198,22 @@ def test_torch_compile_traces_checkpointed_blocks_into_one_graph():
     assert "tag_activation_checkpoint" in str(graphs[0].graph)
     assert torch.allclose(loss, expected)
     assert all(torch.allclose(g, p.grad, atol=1e-6) for g, p in zip(grads, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("policy", ["preset", "selective", "offload"])
+def test_fake_mode_counts_the_bytes_of_a_real_checkpointed_step(policy):
+    batch = (torch.randn(2, 3, 64, 48),)
+    profiles = [
+        profile_step(
+            lambda: create_model("sapiens_tiny"),
+            batch,
+            loss_fn=lambda model, inputs: model(*inputs).square().mean(),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            mode=mode,
+            prepare_model=lambda model: apply_activation_checkpointing(model, policy),
+        )
+        for mode in ("fake", "real")
+    ]
+    assert profiles[0].peak_bytes == profiles[1].peak_bytes
+    assert profiles[0].offloaded_bytes == profiles[1].offloaded_bytes
+    assert (profiles[0].offloaded_bytes > 0) == (policy == "offload")
