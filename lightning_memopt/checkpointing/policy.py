@@ -107,8 +107,8 @@ def parse_policy(spec: Any) -> tuple[Policy, ...]:
 
     Strings: ``"preset"`` (full recomputation of the preset blocks), ``"selective"``, ``"offload"``
     (those modes on the preset blocks), ``"every_n"`` (every n-th of L sibling preset blocks,
-    n = √L rounded), a dotted class path, or a module-name glob. A mapping holds :class:`Policy` arguments. A list composes: the
-    first policy to match a module decides how it is wrapped.
+    n = √L rounded), a dotted class path, or a module-name glob. A mapping holds :class:`Policy`
+    arguments. A list composes: the first policy to match a module decides how it is wrapped.
 
     Raises:
         ValueError: an empty list, unknown mapping keys, or a bad :class:`Policy` argument.
