@@ -4,8 +4,10 @@ Example::
 
     >>> from lightning_memopt.checkpointing import apply_activation_checkpointing
     >>> from lightning_memopt.models import create_model
-    >>> apply_activation_checkpointing(create_model("sapiens_tiny"), [{"every_n": 2}, {"mode": "offload"}])
-    2
+    >>> blocks = "backbone.blocks.*"  # every second ViT block recomputed, the others offloaded
+    >>> policy = [{"modules": blocks, "every_n": 2}, {"modules": blocks, "mode": "offload"}]
+    >>> apply_activation_checkpointing(create_model("sapiens_tiny", depth=4), policy)
+    4
 """
 
 from lightning_memopt.checkpointing.offload import offload_to_host
