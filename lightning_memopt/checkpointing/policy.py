@@ -45,9 +45,9 @@ class Policy:
             ``"preset"`` for :data:`PRESET_BLOCKS`. A glob matches the end of a module's dotted
             name segment by segment (``*`` stays within one segment, ``**`` spans several), so
             ``"fnet"`` finds ``model.fnet`` and ``"updateformer.time_blocks.*"`` each time block.
-        every_n: wrap only blocks ``0, n, 2n, …`` of each run of sibling matches (the blocks of one
-            container); ``"sqrt"`` picks ``n ≈ √L`` for ``L`` siblings, about √L checkpoints
-            (Chen et al. 2016); ``None`` wraps every match.
+        every_n: wrap only blocks ``0, n, 2n, …`` of each run of sibling matches (the matches of
+            one class in one container); ``"sqrt"`` picks ``n ≈ √L`` for ``L`` siblings, about √L
+            checkpoints (Chen et al. 2016); ``None`` wraps every match.
         mode: ``"full"`` recomputes the whole forward in the backward pass; ``"selective"`` saves the
             outputs of matmul, convolution and attention ops and recomputes the rest; ``"offload"``
             recomputes nothing and keeps the saved activations in (pinned) host memory.
@@ -209,9 +209,9 @@ def _glob_matches_end(pattern: list[str], segments: list[str]) -> bool:
 
 
 def _every_nth_sibling(found: list[tuple[str, nn.Module]], every_n: int | str) -> list[tuple[str, nn.Module]]:
-    groups: dict[str, list[tuple[str, nn.Module]]] = defaultdict(list)
-    for name, module in found:
-        groups[name.rpartition(".")[0]].append((name, module))
+    groups: dict[tuple[str, type], list[tuple[str, nn.Module]]] = defaultdict(list)
+    for name, module in found:  # a run: the matches of one class in one container
+        groups[name.rpartition(".")[0], type(module)].append((name, module))
     kept = []
     for siblings in groups.values():
         step = max(1, round(math.sqrt(len(siblings)))) if every_n == "sqrt" else int(every_n)

@@ -91,6 +91,12 @@ def test_every_n_keeps_every_nth_sibling_and_sqrt_picks_about_sqrt_l():
     assert len(Policy(IBasicBlock, every_n=2).matches(face)) == 4
 
 
+def test_every_n_counts_each_class_of_a_container_on_its_own():
+    tracker = create_model("cotracker3_tiny")  # fnet and correlation: two classes side by side at the root
+    names = [name for name, _ in Policy(every_n=2).matches(tracker)]
+    assert names[:2] == ["fnet", "correlation"]
+
+
 def test_composed_policies_first_match_wins_and_the_rest_is_offloaded():
     vit = create_model("sapiens_tiny", depth=4)
     count = apply_activation_checkpointing(
