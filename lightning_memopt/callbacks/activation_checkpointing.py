@@ -11,8 +11,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_memopt.checkpointing import CheckpointReport, checkpoint_modules, parse_policy
-from lightning_memopt.checkpointing.wrap import remove_activation_checkpointing
+from lightning_memopt.checkpointing import (
+    CheckpointReport,
+    checkpoint_modules,
+    parse_policy,
+    remove_activation_checkpointing,
+)
 
 
 class ActivationCheckpointing(Callback):

@@ -1,8 +1,8 @@
 """Checkpointing policies: which modules to wrap, and how (full recompute, selective, offload).
 
 A policy is built from Hydra-friendly values as well as Python objects; :func:`parse_policy`
-turns any of them into an ordered tuple of :class:`Policy`, and :func:`select_modules` resolves
-them against a model, the first policy that claims a module winning.
+turns any of them into an ordered tuple of :class:`Policy`, and :meth:`Policy.matches` finds the
+modules each one selects in a model.
 """
 
 from __future__ import annotations

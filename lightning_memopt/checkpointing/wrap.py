@@ -24,12 +24,11 @@ from lightning_memopt.checkpointing.policy import describe_model, parse_policy
 from lightning_memopt.checkpointing.selective import selective_context
 
 log = logging.getLogger(__name__)
-_MARK = "_memopt_checkpoint_mode"
 
 
 @dataclass
 class CheckpointReport:
-    """What one :func:`checkpoint_modules` call left checkpointed: names and classes per mode."""
+    """What a model has checkpointed after a :func:`checkpoint_modules` call: names and classes per mode."""
 
     modules: dict[str, str] = field(default_factory=dict)  # module name -> mode
     classes: dict[str, Counter[str]] = field(default_factory=dict)  # mode -> class name -> count
@@ -78,7 +77,7 @@ class CheckpointedForward:
 def checkpoint_modules(model: nn.Module, policy: Any) -> CheckpointReport:
     """Checkpoint the modules of ``model`` that ``policy`` selects; see :func:`apply_activation_checkpointing`."""
     policies = parse_policy(policy)
-    already = {name: getattr(module, _MARK) for name, module in model.named_modules() if hasattr(module, _MARK)}
+    already = _checkpointed(model)
     claimed: dict[str, tuple[nn.Module, str]] = {}
     for rule in policies:
         matches = rule.matches(model)
@@ -98,14 +97,12 @@ def checkpoint_modules(model: nn.Module, policy: Any) -> CheckpointReport:
                 len(matches),
             )
         claimed.update((name, (module, rule.mode)) for name, module in taken)
-    report = CheckpointReport()
-    for name, (module, mode) in claimed.items():
+    for module, mode in claimed.values():
         _wrap(module, mode)
-        report.modules[name] = mode
-        report.classes.setdefault(mode, Counter())[type(module).__name__] += 1
-    for name, mode in already.items():
-        if name not in claimed:
-            report.modules[name] = mode
+    report = CheckpointReport()
+    for name, forward in _checkpointed(model).items():
+        report.modules[name] = forward.mode
+        report.classes.setdefault(forward.mode, Counter())[type(forward.module).__name__] += 1
     return report
 
 
@@ -151,20 +148,24 @@ def remove_activation_checkpointing(model: nn.Module) -> int:
         >>> remove_activation_checkpointing(nn.Linear(2, 2))
         0
     """
-    removed = 0
-    for module in model.modules():
-        if hasattr(module, _MARK):
-            forward = module.__dict__.pop("forward")
-            if forward.previous is not None:
-                module.forward = forward.previous
-            delattr(module, _MARK)
-            removed += 1
-    return removed
+    checkpointed = _checkpointed(model).values()
+    for forward in checkpointed:
+        del forward.module.forward  # the instance attribute: back to the class's forward
+        if forward.previous is not None:
+            forward.module.forward = forward.previous
+    return len(checkpointed)
 
 
 def checkpoint_mode(module: nn.Module) -> str | None:
     """The mode ``module`` is checkpointed with, or None."""
-    return getattr(module, _MARK, None)
+    forward = module.__dict__.get("forward")
+    return forward.mode if isinstance(forward, CheckpointedForward) else None
+
+
+def _checkpointed(model: nn.Module) -> dict[str, CheckpointedForward]:
+    """The patched forwards of ``model``'s checkpointed modules, by module name."""
+    found = {name: module.__dict__.get("forward") for name, module in model.named_modules()}
+    return {name: forward for name, forward in found.items() if isinstance(forward, CheckpointedForward)}
 
 
 def _wrap(module: nn.Module, mode: str) -> None:
@@ -173,7 +174,6 @@ def _wrap(module: nn.Module, mode: str) -> None:
         current.mode = mode
     else:
         module.forward = CheckpointedForward(module, mode, current)
-    setattr(module, _MARK, mode)
 
 
 def _overlaps(name: str, names: dict[str, Any]) -> bool:

@@ -149,9 +149,7 @@ def profile_step(
         peak, offloaded = _run_steps(
             module, batch, step, opt, autocast, steps, device, round_to, fake_mode is not None, stack
         )
-    profile = _profile_from(peak, mode, precision, device, fake_mode is not None)
-    profile.offloaded_bytes = offloaded
-    return profile
+    return _profile_from(peak, offloaded, mode, precision, device, fake_mode is not None)
 
 
 def _run_steps(
@@ -193,7 +191,9 @@ def _run_steps(
     return peak, tracker.peak_host_bytes
 
 
-def _profile_from(peak: MemorySnapshot, mode: str, precision: str, device: torch.device, fake: bool) -> MemoryProfile:
+def _profile_from(
+    peak: MemorySnapshot, offloaded: int, mode: str, precision: str, device: torch.device, fake: bool
+) -> MemoryProfile:
     largest = [
         TensorInfo(r.nbytes, r.category, r.module, r.op, r.shape, str(r.dtype).replace("torch.", ""))
         for r in peak.largest()
@@ -207,6 +207,7 @@ def _profile_from(peak: MemorySnapshot, mode: str, precision: str, device: torch
         mode=label,
         precision=precision,
         largest=largest,
+        offloaded_bytes=offloaded,
     )
 
 
