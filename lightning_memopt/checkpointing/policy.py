@@ -7,8 +7,6 @@ modules each one selects in a model.
 
 from __future__ import annotations
 
-import fnmatch
-import importlib
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from lightning_memopt.selection import ModuleSpec, normalise_specs, resolve_class, select_modules, spec_name
 
 MODES = ("full", "selective", "offload")
 KEYWORDS = {"preset": "full", "selective": "selective", "offload": "offload", "every_n": "full"}
@@ -30,10 +30,6 @@ PRESET_BLOCKS = (
     "lightning_memopt.models.cotracker.correlation.LocalCorrelation",
     "lightning_memopt.models.cotracker.updateformer.AttentionBlock",
 )
-# components that wrappers (FSDP, torch's checkpoint wrapper, torch.compile) insert into module names
-_WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-
-ModuleSpec = str | type[nn.Module]
 
 
 @dataclass(frozen=True)
@@ -84,21 +80,13 @@ class Policy:
 
     def describe(self) -> str:
         """A short, readable form: ``full(preset, every_n=2)``."""
-        names = "preset" if self.modules is None else ", ".join(_spec_name(spec) for spec in self.modules)
+        names = "preset" if self.modules is None else ", ".join(spec_name(spec) for spec in self.modules)
         return f"{self.mode}({names}" + (f", every_n={self.every_n}" if self.every_n is not None else "") + ")"
 
     def matches(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The ``(name, module)`` pairs of ``model`` this policy selects, in module order."""
         specs = self.modules if self.modules is not None else tuple(resolve_class(path) for path in PRESET_BLOCKS)
-        classes = tuple(spec for spec in specs if isinstance(spec, type))
-        globs = [spec.split(".") for spec in specs if isinstance(spec, str)]
-        found = []
-        for name, module in model.named_modules():
-            segments = [part for part in name.split(".") if part and part not in _WRAPPER_NAMES]
-            if not segments or type(module).__name__ in ("CheckpointWrapper", "FullyShardedDataParallel"):
-                continue
-            if isinstance(module, classes) or any(_glob_matches_end(pattern, segments) for pattern in globs):
-                found.append((name, module))
+        found = select_modules(model, specs)
         return found if self.every_n is None else _every_nth_sibling(found, self.every_n)
 
 
@@ -143,69 +131,10 @@ def parse_policy(spec: Any) -> tuple[Policy, ...]:
     )
 
 
-def resolve_class(path: str) -> type[nn.Module]:
-    """Import the ``nn.Module`` subclass at a dotted ``path``.
-
-    Raises:
-        ValueError: the module imports but has no such ``nn.Module`` subclass.
-        ModuleNotFoundError: the module part does not import.
-
-    Example::
-
-        >>> resolve_class("torch.nn.Linear")
-        <class 'torch.nn.modules.linear.Linear'>
-    """
-    module_path, _, attribute = path.rpartition(".")
-    found = getattr(importlib.import_module(module_path), attribute, None)
-    if not (isinstance(found, type) and issubclass(found, nn.Module)):
-        raise ValueError(f"`modules` entry {path!r}: {module_path!r} has no nn.Module subclass {attribute!r}")
-    return found
-
-
-def describe_model(model: nn.Module) -> str:
-    """The module classes and top-level child names of ``model``, for an error message."""
-    classes = sorted({type(module).__name__ for module in model.modules()})
-    children = [name for name, _ in model.named_children()]
-    return f"module classes present: {', '.join(classes)}; top-level children: {', '.join(children) or '(none)'}"
-
-
 def _normalise_modules(modules: ModuleSpec | Iterable[ModuleSpec] | None) -> tuple[ModuleSpec, ...] | None:
     if modules is None or modules == "preset":
         return None
-    items = [modules] if isinstance(modules, str | type) else list(modules)
-    if not items:
-        raise ValueError("`modules` is empty; give module classes or name globs, or None for the preset blocks")
-    return tuple(_resolve_spec(item) for item in items)
-
-
-def _resolve_spec(spec: Any) -> ModuleSpec:
-    if isinstance(spec, type):
-        if not issubclass(spec, nn.Module):
-            raise ValueError(f"`modules` entry {spec!r} is not an nn.Module subclass")
-        return spec
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"`modules` entry {spec!r} must be a module class, a dotted class path or a name glob")
-    if "." in spec and "*" not in spec:
-        try:
-            return resolve_class(spec)
-        except ModuleNotFoundError:
-            pass  # not an importable path: a module-name glob such as "updateformer.time_blocks"
-    return spec
-
-
-def _spec_name(spec: ModuleSpec) -> str:
-    return spec if isinstance(spec, str) else spec.__name__
-
-
-def _glob_matches_end(pattern: list[str], segments: list[str]) -> bool:
-    """Whether ``pattern`` (glob segments, ``**`` for any number) matches the last segments of a name."""
-    if not pattern:
-        return True
-    head, rest = pattern[-1], pattern[:-1]
-    if head == "**":
-        return any(_glob_matches_end(rest, segments[:cut]) for cut in range(len(segments) + 1))
-    # the pattern's earlier segments must match the segments right before this one
-    return bool(segments) and fnmatch.fnmatchcase(segments[-1], head) and _glob_matches_end(rest, segments[:-1])
+    return normalise_specs(modules)
 
 
 def _every_nth_sibling(found: list[tuple[str, nn.Module]], every_n: int | str) -> list[tuple[str, nn.Module]]:

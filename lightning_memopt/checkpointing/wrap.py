@@ -20,8 +20,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memopt.checkpointing.offload import offload_to_host
-from lightning_memopt.checkpointing.policy import describe_model, parse_policy
+from lightning_memopt.checkpointing.policy import parse_policy
 from lightning_memopt.checkpointing.selective import selective_context
+from lightning_memopt.selection import describe_model
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lightning_memopt.checkpointing import Policy, apply_activation_checkpointing, checkpoint_mode, parse_policy
-from lightning_memopt.checkpointing.policy import resolve_class
 from lightning_memopt.models import create_model
 from lightning_memopt.models.iresnet import IBasicBlock
 from lightning_memopt.models.vit import ViTBlock
+from lightning_memopt.selection import resolve_class
 
 
 def test_keywords_select_the_preset_blocks_with_their_mode():
