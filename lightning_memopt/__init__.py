@@ -9,10 +9,17 @@ Example::
 
 from typing import Any
 
-from lightning_memopt.callbacks import ActivationCheckpointing, MemoryMonitor, TrainingSummary
+from lightning_memopt.callbacks import ActivationCheckpointing, MemoryMonitor, PrecisionSwitch, TrainingSummary
 from lightning_memopt.models import create_model, list_models
 
-__all__ = ["ActivationCheckpointing", "MemoryMonitor", "TrainingSummary", "create_model", "list_models"]
+__all__ = [
+    "ActivationCheckpointing",
+    "MemoryMonitor",
+    "PrecisionSwitch",
+    "TrainingSummary",
+    "create_model",
+    "list_models",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -67,15 +67,17 @@ def tiny_overrides(cfg) -> list[str]:
 
 def run_memopt_train(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run ``python -m lightning_memopt.train ARGS`` on this checkout, in ``cwd``."""
+    return run_python(["-m", "lightning_memopt.train", *args], cwd, timeout)
+
+
+def run_script(script: Path, args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``python SCRIPT ARGS`` with this checkout importable (``tests.…`` included), in ``cwd``."""
+    return run_python([str(script), *args], cwd, timeout)
+
+
+def run_python(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_memopt.train", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def write_face_folder(root: Path, counts: dict[str, int], size: tuple[int, int] = (16, 16), seed: int = 0) -> Path:

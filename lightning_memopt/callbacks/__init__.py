@@ -2,6 +2,7 @@
 
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
+from lightning_memopt.callbacks.precision_switch import PrecisionSwitch
 from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
 
-__all__ = ["ActivationCheckpointing", "FitSummary", "MemoryMonitor", "TrainingSummary"]
+__all__ = ["ActivationCheckpointing", "FitSummary", "MemoryMonitor", "PrecisionSwitch", "TrainingSummary"]

@@ -8,9 +8,9 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from lightning_memopt.callbacks.model_setup import after_configure_model
 from lightning_memopt.checkpointing import (
     CheckpointReport,
     checkpoint_modules,
@@ -61,10 +61,7 @@ class ActivationCheckpointing(Callback):
                 "leaving checkpointing to it"
             )
             return
-        if is_overridden("configure_model", pl_module):
-            self._apply_after_configure_model(pl_module)
-        else:
-            self._apply(pl_module)
+        after_configure_model(pl_module, lambda: self._apply(pl_module))
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -76,13 +73,3 @@ class ActivationCheckpointing(Callback):
         except ValueError as error:
             raise MisconfigurationException(f"ActivationCheckpointing: {error}") from None
         rank_zero_info(f"ActivationCheckpointing: {self.report.describe()}")
-
-    def _apply_after_configure_model(self, pl_module: LightningModule) -> None:
-        configure_model = pl_module.configure_model
-
-        def configure_then_checkpoint() -> None:
-            del pl_module.configure_model  # back to the class's own hook
-            configure_model()
-            self._apply(pl_module)
-
-        pl_module.configure_model = configure_then_checkpoint  # type: ignore[method-assign]

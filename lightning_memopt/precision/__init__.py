@@ -1,0 +1,39 @@
+"""Mixed precision that adapts: ``"auto"`` per device, schedules, a fail-safe, fp32 islands.
+
+The functional layer under :class:`~lightning_memopt.callbacks.PrecisionSwitch`.
+"""
+
+from lightning_memopt.precision.islands import (
+    PRESET_ISLANDS,
+    apply_fp32_islands,
+    is_fp32_island,
+    remove_fp32_islands,
+)
+from lightning_memopt.precision.plugin import SwitchablePrecision
+from lightning_memopt.precision.resolve import (
+    LADDER,
+    PRECISIONS,
+    auto_precision,
+    mantissa_bits,
+    normalise_precision,
+    step_down,
+    supports_bf16,
+)
+from lightning_memopt.precision.schedule import INTERVALS, PrecisionSchedule
+
+__all__ = [
+    "INTERVALS",
+    "LADDER",
+    "PRECISIONS",
+    "PRESET_ISLANDS",
+    "PrecisionSchedule",
+    "SwitchablePrecision",
+    "apply_fp32_islands",
+    "auto_precision",
+    "is_fp32_island",
+    "mantissa_bits",
+    "normalise_precision",
+    "remove_fp32_islands",
+    "step_down",
+    "supports_bf16",
+]
