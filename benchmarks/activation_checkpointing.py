@@ -18,7 +18,6 @@ at 768 tracks holds about 21 GB of activations, more than a 24 GB CPU machine ha
 from __future__ import annotations
 
 import argparse
-import csv
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results import write_csv
 from torch import nn
 
 from lightning_memopt.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
@@ -177,11 +177,7 @@ def main() -> None:
                 f"{row['offloaded_mib']:>14.1f}{row['step_time_ratio']:>8.2f}  {row['note']}",
                 flush=True,
             )
-    with args.csv.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {args.csv}")
+    write_csv(args.csv, rows)
 
 
 if __name__ == "__main__":

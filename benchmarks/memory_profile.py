@@ -10,12 +10,12 @@ Nothing is allocated for the profiles (FakeTensorMode), so the 2 B-parameter Sap
 from __future__ import annotations
 
 import argparse
-import csv
 import time
 from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
+from results import write_csv
 
 from lightning_memopt.cli.config import config_dir
 from lightning_memopt.cli.profile import profile
@@ -108,11 +108,7 @@ def main() -> None:
             cells += [f"{row['temporaries_gib']:>8.2f}  {row['phase']:<9}{row['seconds']:>5.0f}"]
             print("".join(cells), flush=True)
     if rows:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"wrote {args.csv}")
+        write_csv(args.csv, rows)
     if not args.skip_overhead:
         for every_n_steps, steps in ((50, 50), (1, 10)):
             ratio = monitor_overhead(every_n_steps, steps)

@@ -145,7 +145,8 @@ def profile_step(
                 lambda t: t.to(half) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch
             )
         device = _device_of(module)
-        autocast = torch.autocast(device.type, dtype=half, enabled=precision.endswith("-mixed"))
+        # as Lightning and PrecisionSwitch run it: no weight-cast cache
+        autocast = torch.autocast(device.type, dtype=half, enabled=precision.endswith("-mixed"), cache_enabled=False)
         peak, offloaded = _run_steps(
             module, batch, step, opt, autocast, steps, device, round_to, fake_mode is not None, stack
         )

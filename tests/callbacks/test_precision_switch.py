@@ -331,3 +331,29 @@ def test_an_fp16_overflow_on_cuda_steps_down():
         "bf16-mixed" if torch.cuda.get_device_capability() >= (8, 0) else "32-true"
     ]
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_islands_and_checkpointing_both_reach_layers_built_in_configure_model():
+    from lightning_memopt import ActivationCheckpointing
+    from lightning_memopt.checkpointing import checkpoint_mode
+    from lightning_memopt.precision import is_fp32_island
+
+    class Late(Toy):
+        def __init__(self):
+            super().__init__()
+            del self.net
+
+        def configure_model(self):
+            if not hasattr(self, "net"):
+                torch.manual_seed(0)
+                self.net = nn.Sequential(nn.Linear(8, 16), nn.Identity(), nn.ReLU(), nn.Linear(16, 1))
+
+    module, seen = Late(), []
+
+    class Check(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.append((checkpoint_mode(pl_module.net[0]), is_fp32_island(pl_module.net[3])))
+
+    callbacks = [ActivationCheckpointing({"modules": "net.0"}), Check()]
+    fit(module, PrecisionSwitch("bf16-mixed", fp32_modules=["net.3"]), max_steps=1, callbacks=callbacks)
+    assert seen == [("full", True)]
