@@ -77,7 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated presets to profile (default: all)")
     parser.add_argument("--time", default="r18,r50", help=f"presets to time, of: {', '.join(TIMING_RUNS)}")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--csv", default=str(Path(__file__).with_suffix(".csv")))
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n] or list(REFERENCE_RUNS)
