@@ -24,6 +24,7 @@ from lightning_memopt.precision import (
     remove_fp32_islands,
     supports_bf16,
 )
+from lightning_memopt.precision.schedule import check_interval
 from lightning_memopt.selection import ModuleSpec, normalise_specs
 
 
@@ -75,9 +76,8 @@ class PrecisionSwitch(Callback):
     ) -> None:
         try:
             self.precision = "auto" if precision == "auto" else normalise_precision(precision)
+            check_interval(schedule_interval)
             self.schedule = PrecisionSchedule(schedule, schedule_interval) if schedule is not None else None
-            if schedule is None and schedule_interval not in ("step", "epoch"):
-                raise ValueError(f"Unknown `schedule_interval`={schedule_interval!r}; valid choices: step, epoch")
             if fp32_modules is not None and fp32_modules != "preset":
                 fp32_modules = normalise_specs(fp32_modules, "fp32_modules")
         except ValueError as error:
@@ -94,7 +94,6 @@ class PrecisionSwitch(Callback):
         self.base_precision: str | None = None  # ``precision`` resolved for the device
         self.islands: list[str] = []
         self._position: int | None = None  # the schedule position last applied
-        self._capability: tuple[int, int] | None = None  # for tests that pretend to be another GPU
 
     # ---------------------------------------------------------------- setup
     @override
@@ -120,16 +119,14 @@ class PrecisionSwitch(Callback):
     def _build_plugin(self, trainer: Trainer) -> SwitchablePrecision:
         device = trainer.strategy.root_device
         if self.precision == "auto":
-            precision, reason = auto_precision(device, self._capability)
+            precision, reason = auto_precision(device)
             precision, reason = trainer.strategy.broadcast((precision, reason))  # every rank runs rank 0's choice
         else:
             precision, reason = self.precision, "as configured"
         self._check_supported(precision, device)
         self.base_precision = precision
         start = self._scheduled(0) or precision
-        self.plugin = SwitchablePrecision(
-            start, device.type, self.fail_safe, self.patience, self.min_loss_scale, self._capability
-        )
+        self.plugin = SwitchablePrecision(start, device.type, self.fail_safe, self.patience, self.min_loss_scale)
         schedule = f"; schedule by {self.schedule.interval}: {self.schedule.describe()}" if self.schedule else ""
         safe = f"; fail-safe on (patience {self.patience})" if self.fail_safe else ""
         rank_zero_info(f"PrecisionSwitch: {precision} on {device.type} ({reason}){schedule}{safe}")
@@ -137,9 +134,9 @@ class PrecisionSwitch(Callback):
 
     def _check_supported(self, precision: str, device: torch.device) -> None:
         wanted = [precision, *(entry.precision for entry in self.schedule.entries)] if self.schedule else [precision]
-        if "bf16-mixed" in wanted and not supports_bf16(device, self._capability):
+        if "bf16-mixed" in wanted and not supports_bf16(device):
             raise MisconfigurationException(
-                f"PrecisionSwitch: bf16-mixed is not native on {device} ({_describe_device(device, self._capability)});"
+                f"PrecisionSwitch: bf16-mixed is not native on {device} ({_describe_device(device)});"
                 " use '16-mixed' or 'auto'"
             )
 
@@ -209,8 +206,8 @@ class PrecisionSwitch(Callback):
             )
 
 
-def _describe_device(device: torch.device, capability: tuple[int, int] | None) -> str:
+def _describe_device(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
-    major, minor = capability if capability is not None else torch.cuda.get_device_capability(device)
+    major, minor = torch.cuda.get_device_capability(device)
     return f"compute capability {major}.{minor}"

@@ -21,6 +21,17 @@ class ScheduleEntry:
     precision: str  # a Lightning precision string, or "auto"
 
 
+def check_interval(interval: str) -> str:
+    """``interval`` if it is ``"step"`` or ``"epoch"``.
+
+    Raises:
+        ValueError: naming ``schedule_interval``, the value and the choices.
+    """
+    if interval not in INTERVALS:
+        raise ValueError(f"Unknown `schedule_interval`={interval!r}; valid choices: {', '.join(INTERVALS)}")
+    return interval
+
+
 class PrecisionSchedule:
     """Precisions by optimizer step or epoch, given in the order they happen.
 
@@ -45,9 +56,7 @@ class PrecisionSchedule:
     """
 
     def __init__(self, entries: Mapping[Any, Any] | Sequence[Any], interval: str = "step") -> None:
-        if interval not in INTERVALS:
-            raise ValueError(f"Unknown `schedule_interval`={interval!r}; valid choices: {', '.join(INTERVALS)}")
-        self.interval = interval
+        self.interval = check_interval(interval)
         items = list(entries.items()) if isinstance(entries, Mapping) else list(entries)
         if not items:
             raise ValueError("`schedule` is empty; give {start: precision} entries, or None for no schedule")
