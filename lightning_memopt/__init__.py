@@ -9,11 +9,18 @@ Example::
 
 from typing import Any
 
-from lightning_memopt.callbacks import ActivationCheckpointing, MemoryMonitor, PrecisionSwitch, TrainingSummary
+from lightning_memopt.callbacks import (
+    ActivationCheckpointing,
+    AdaptiveAccumulation,
+    MemoryMonitor,
+    PrecisionSwitch,
+    TrainingSummary,
+)
 from lightning_memopt.models import create_model, list_models
 
 __all__ = [
     "ActivationCheckpointing",
+    "AdaptiveAccumulation",
     "MemoryMonitor",
     "PrecisionSwitch",
     "TrainingSummary",

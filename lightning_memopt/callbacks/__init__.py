@@ -1,8 +1,16 @@
 """Lightning callbacks, one per file, each thin over the functional layer."""
 
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
 from lightning_memopt.callbacks.precision_switch import PrecisionSwitch
 from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
 
-__all__ = ["ActivationCheckpointing", "FitSummary", "MemoryMonitor", "PrecisionSwitch", "TrainingSummary"]
+__all__ = [
+    "ActivationCheckpointing",
+    "AdaptiveAccumulation",
+    "FitSummary",
+    "MemoryMonitor",
+    "PrecisionSwitch",
+    "TrainingSummary",
+]

@@ -80,3 +80,20 @@ def configure_allocator(
         )
     os.environ[ENV_VAR] = value
     return value
+
+
+def allocator_retries(device: torch.device | str) -> int:
+    """Times the CUDA caching allocator had to free its cache and retry a failed ``cudaMalloc`` (0 off CUDA).
+
+    A count that rises step after step means the run lives at the edge of memory: every retry
+    synchronises the device and costs milliseconds, and the next step may fail outright.
+
+    Example::
+
+        >>> allocator_retries("cpu")
+        0
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))

@@ -1,0 +1,29 @@
+"""Micro-batching: split a batch, run it in pieces that fit, recover from out-of-memory errors."""
+
+from lightning_memopt.accumulation.micro_batch import (
+    LOSS_REDUCTIONS,
+    MicroBatchResult,
+    MicroBatchRunner,
+    SampleOutOfMemoryError,
+    halve,
+)
+from lightning_memopt.accumulation.split import (
+    BatchSplitError,
+    batch_size,
+    merge_outputs,
+    register_batch_type,
+    slice_batch,
+)
+
+__all__ = [
+    "LOSS_REDUCTIONS",
+    "BatchSplitError",
+    "MicroBatchResult",
+    "MicroBatchRunner",
+    "SampleOutOfMemoryError",
+    "batch_size",
+    "halve",
+    "merge_outputs",
+    "register_batch_type",
+    "slice_batch",
+]

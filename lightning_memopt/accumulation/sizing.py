@@ -1,0 +1,111 @@
+"""MicroBatchSizer: the micro-batch size over a run — shrunk by out-of-memory errors and allocator
+thrashing, grown back after a stretch of steps without either."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_memopt.accumulation.micro_batch import Shrink, halve
+
+
+class MicroBatchSizer:
+    """Decide each batch's micro-batch size from what happened in earlier steps.
+
+    ``size`` is ``None`` while batches run whole. After an out-of-memory recovery it is the size
+    that worked, and ``oom_recoveries`` counts the batches recovered. With ``grow_after``, after
+    that many optimizer steps without an error it doubles (back to whole batches once it reaches
+    the batch). A growth that runs out of memory within the interval doubles the interval, so a
+    size that does not fit is not retried every N steps. Allocator thrashing (retries in
+    ``thrash_steps`` consecutive batches) shrinks it before it fails.
+
+    Args:
+        size: the first micro-batch size (``None``: whole batches), e.g. from the planner.
+        shrink: ``size -> smaller size`` (default: halve).
+        grow_after: optimizer steps without an error before doubling; ``None`` never grows.
+        thrash_steps: consecutive steps with allocator retries that shrink pre-emptively; ``None``: off.
+
+    Raises:
+        ValueError: for a size, ``grow_after`` or ``thrash_steps`` below 1.
+
+    Example::
+
+        >>> sizer = MicroBatchSizer(grow_after=10)
+        >>> sizer.size_for(step=0, batch_size=64)
+        64
+        >>> sizer.recovered(step=3, size=16)
+        >>> sizer.size_for(step=12, batch_size=64), sizer.size_for(step=13, batch_size=64)
+        (16, 32)
+    """
+
+    def __init__(
+        self,
+        size: int | None = None,
+        shrink: Shrink = halve,
+        grow_after: int | None = None,
+        thrash_steps: int | None = None,
+    ) -> None:
+        for name, value in (("micro_batch_size", size), ("grow_after", grow_after), ("thrash_steps", thrash_steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"`{name}`={value!r} must be an int ≥ 1 or None")
+        self.size = size
+        self.shrink = shrink
+        self.grow_after = grow_after
+        self.thrash_steps = thrash_steps
+        self.grow_interval = grow_after
+        self.oom_recoveries = 0
+        self.preemptive_shrinks = 0
+        self.last_change_step = 0
+        self.grew_at: int | None = None
+        self.thrashing_steps = 0  # consecutive steps with allocator retries
+
+    def size_for(self, step: int, batch_size: int) -> int:
+        """The micro-batch size for a batch of ``batch_size`` at optimizer step ``step`` (grows back when due)."""
+        if (
+            self.size is not None
+            and self.grow_interval is not None
+            and step - self.last_change_step >= self.grow_interval
+        ):
+            self.size = None if 2 * self.size >= batch_size else 2 * self.size
+            self.last_change_step = self.grew_at = step
+        return batch_size if self.size is None else min(self.size, batch_size)
+
+    def recovered(self, step: int, size: int) -> None:
+        """A batch ran out of memory (on some rank) and completed in micro-batches of ``size``."""
+        if self.grow_interval is not None and self.grew_at is not None and step - self.grew_at < self.grow_interval:
+            self.grow_interval *= 2  # the last growth did not fit: wait longer before the next
+        self.size = size
+        self.oom_recoveries += 1
+        self.last_change_step = step
+        self.thrashing_steps = 0
+
+    def allocator_retried(self, retried: bool, step: int, batch_size: int) -> bool:
+        """Count a step with (or without) allocator retries; shrink when thrashing. Whether it shrank."""
+        self.thrashing_steps = self.thrashing_steps + 1 if retried else 0
+        if self.thrash_steps is None or self.thrashing_steps < self.thrash_steps:
+            return False
+        current = batch_size if self.size is None else min(self.size, batch_size)
+        if current <= 1:
+            return False
+        self.size = self.shrink(current)
+        self.preemptive_shrinks += 1
+        self.last_change_step = step
+        self.thrashing_steps = 0
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "size": self.size,
+            "grow_interval": self.grow_interval,
+            "oom_recoveries": self.oom_recoveries,
+            "preemptive_shrinks": self.preemptive_shrinks,
+            "last_change_step": self.last_change_step,
+            "grew_at": self.grew_at,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.size = state.get("size", self.size)
+        self.grow_interval = state.get("grow_interval", self.grow_interval)
+        self.oom_recoveries = state.get("oom_recoveries", 0)
+        self.preemptive_shrinks = state.get("preemptive_shrinks", 0)
+        self.last_change_step = state.get("last_change_step", 0)
+        self.grew_at = state.get("grew_at")
