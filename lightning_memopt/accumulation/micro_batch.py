@@ -9,7 +9,7 @@ second contribution. No sample is dropped or counted twice, and no gradient copy
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,7 @@ class MicroBatchResult:
     sizes: list[int]  # the micro-batches that completed, in order
     micro_batch_size: int  # the size to use next (agreed by every rank)
     oom_errors: list[str] = field(default_factory=list)  # the out-of-memory errors recovered from here
+    flags: list[int] = field(default_factory=list)  # the ``flags`` passed to ``run``, maximum over ranks
 
 
 @dataclass
@@ -84,8 +85,10 @@ class MicroBatchRunner:
     losses) and back-propagated at once, so the gradients equal the whole batch's; without it the
     step only runs forward (evaluation). On an out-of-memory error the failed micro-batch is redone
     in pieces of ``shrink(size)`` and later ones use that size. ``agree`` makes several processes
-    decide together: it takes a list of ints and returns their element-wise maximum over ranks,
-    and is called once per micro-batch of the agreed size, so ranks run the same number.
+    decide together: it takes a list of ints and returns their element-wise maximum over ranks.
+    It is called once per micro-batch of the agreed size, with whether this rank failed and the
+    smallest size that worked, so every rank continues with the same micro-batches. The rank that
+    failed redoes its failed piece in smaller pieces by itself, between two agreements.
 
     Args:
         module: whose parameters take gradients and whose buffers (batch-norm statistics) are
@@ -132,6 +135,7 @@ class MicroBatchRunner:
         *,
         backward: Callable[[torch.Tensor], None] | None = None,
         weight: float = 1.0,
+        flags: Sequence[int] = (),
     ) -> MicroBatchResult:
         """Run ``step`` on micro-batches of ``batch`` of at most ``micro_batch_size`` samples (``None``: whole).
 
@@ -142,6 +146,7 @@ class MicroBatchRunner:
             backward: ``backward(weighted_loss)`` after each micro-batch (e.g. scale, then backward);
                 ``None`` runs forward only.
             weight: a factor on every loss before ``backward`` (``1 / accumulate_grad_batches``).
+            flags: ints of this rank to agree on as well; their maximum over ranks is in ``result.flags``.
 
         Raises:
             SampleOutOfMemoryError: when a single sample runs out of memory (on every rank).
@@ -152,6 +157,7 @@ class MicroBatchRunner:
         parameters = [p for p in self.module.parameters() if p.requires_grad] if backward is not None else []
         run.covered = [0] * len(parameters)
         handles = [p.register_post_accumulate_grad_hook(self._coverage(run, i)) for i, p in enumerate(parameters)]
+        agreed_flags = list(flags)
         try:
             position = 0
             while True:
@@ -160,8 +166,8 @@ class MicroBatchRunner:
                     end = min(position + size, total)
                     size, failure = self._run_range(run, parameters, position, end, size)
                     position = end
-                negative_size, failed, unfinished = self._agree(
-                    [-size, int(failure is not None), int(position < total)]
+                negative_size, failed, unfinished, *agreed_flags = self._agree(
+                    [-size, int(failure is not None), int(position < total), *agreed_flags]
                 )
                 if failed:
                     raise self._one_sample_error(run, failure)
@@ -171,7 +177,7 @@ class MicroBatchRunner:
         finally:
             for handle in handles:
                 handle.remove()
-        return self._result(run, size)
+        return self._result(run, size, agreed_flags)
 
     def _agree(self, values: list[int]) -> list[int]:
         return values if self.agree is None else [int(v) for v in self.agree(values)]
@@ -179,7 +185,7 @@ class MicroBatchRunner:
     @staticmethod
     def _coverage(run: _Run, index: int) -> Callable[[torch.Tensor], None]:
         def covered(parameter: torch.Tensor) -> None:
-            run.covered[index] = run.chunk_end
+            run.covered[index] = max(run.covered[index], run.chunk_end)  # a skipped (zero) gradient also lands here
 
         return covered
 
@@ -257,12 +263,12 @@ class MicroBatchRunner:
             sample=run.failed_sample,
         )
 
-    def _result(self, run: _Run, size: int) -> MicroBatchResult:
+    def _result(self, run: _Run, size: int, flags: list[int]) -> MicroBatchResult:
         loss = torch.stack(run.losses).sum() if run.losses and run.backward is not None else None
         output = merge_outputs(run.outputs, run.sizes)
         if loss is not None and len(run.outputs) > 1:
             output = _with_loss(output, loss)
-        return MicroBatchResult(output, loss, run.sizes, size, run.oom_errors)
+        return MicroBatchResult(output, loss, run.sizes, size, run.oom_errors, flags)
 
 
 def _no_gradient(grad: torch.Tensor) -> torch.Tensor:

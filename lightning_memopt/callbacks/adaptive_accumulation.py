@@ -106,7 +106,8 @@ class AdaptiveAccumulation(Callback):
         self.loss_reduction = loss_reduction
         self.evaluation = evaluation
         self.eval_micro_batch_size: int | None = None
-        self.last_micro_batch_size: int | None = None
+        self.last_micro_batch_size: int | None = None  # the size the latest training batch ended with
+        self.last_micro_batches = 0  # how many micro-batches it took on this rank
         self._originals: dict[str, Any] = {}  # hook name -> the instance attribute it replaced (or _ABSENT)
         self._train_runner: MicroBatchRunner | None = None
         self._eval_runner: MicroBatchRunner | None = None
@@ -125,6 +126,7 @@ class AdaptiveAccumulation(Callback):
             self._check_fit(trainer, pl_module)
         agree = self._agree_across_ranks(trainer) if trainer.world_size > 1 else None
         self._train_runner = MicroBatchRunner(pl_module, self.shrink, self.loss_reduction, agree)
+        self._allocator_retries = allocator_retries(strategy.root_device)
         self._eval_runner = MicroBatchRunner(pl_module, self.shrink)
         if stage == "fit":
             self._install(pl_module, "training_step", self._training_step(trainer, pl_module))
@@ -197,7 +199,12 @@ class AdaptiveAccumulation(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         try:
             result = self._train_runner.run(
-                step, batch, size, backward=lambda loss: _backward(loss, scaler), weight=1.0 / accumulate
+                step,
+                batch,
+                size,
+                backward=lambda loss: _backward(loss, scaler),
+                weight=1.0 / accumulate,
+                flags=[self._allocator_retried_since_last_batch(trainer)],
             )
         except SampleOutOfMemoryError as error:
             raise self._with_profile(error, trainer, pl_module) from None
@@ -209,8 +216,21 @@ class AdaptiveAccumulation(Callback):
                 f"the batch of {total} ran in micro-batches of {result.micro_batch_size} "
                 f"({len(result.sizes)} this rank) and the optimizer step is unchanged"
             )
+        elif self.sizer.allocator_retried(bool(result.flags[0]), trainer.global_step, total):
+            rank_zero_info(
+                f"AdaptiveAccumulation: the CUDA allocator retried in {self.sizer.thrash_steps} batches in a row; "
+                f"micro-batches of {self.sizer.size} from step {trainer.global_step}, before it runs out of memory"
+            )
         self.last_micro_batch_size = min(result.micro_batch_size, total)
+        self.last_micro_batches = len(result.sizes)
         return _deliver(pl_module, result)
+
+    def _allocator_retried_since_last_batch(self, trainer: Trainer) -> int:
+        if self.sizer.thrash_steps is None:
+            return 0
+        retries = allocator_retries(trainer.strategy.root_device)
+        retried, self._allocator_retries = retries > self._allocator_retries, retries
+        return int(retried)
 
     def _warn_batch_norm(self, pl_module: LightningModule, size: int, total: int) -> None:
         if self._warned_batch_norm or size >= total:
@@ -274,26 +294,8 @@ class AdaptiveAccumulation(Callback):
     ) -> None:
         if self.last_micro_batch_size is None:
             return
-        self._watch_allocator(trainer, batch)
         pl_module.log("memopt/micro_batch_size", float(self.last_micro_batch_size), on_step=True, on_epoch=False)
         pl_module.log("memopt/oom_recoveries", float(self.sizer.oom_recoveries), on_step=True, on_epoch=False)
-
-    def _watch_allocator(self, trainer: Trainer, batch: Any) -> None:
-        if self.sizer.thrash_steps is None or trainer.strategy.root_device.type != "cuda":
-            return
-        retries = allocator_retries(trainer.strategy.root_device)
-        retried = torch.tensor(int(retries > self._allocator_retries), device=trainer.strategy.root_device)
-        self._allocator_retries = retries
-        if trainer.world_size > 1:
-            retried = trainer.strategy.reduce(retried, reduce_op="max")
-        self._allocator_retried(bool(retried.item()), trainer.global_step, batch_size(batch))
-
-    def _allocator_retried(self, retried: bool, step: int, total: int) -> None:
-        if self.sizer.allocator_retried(retried, step, total):
-            rank_zero_info(
-                f"AdaptiveAccumulation: the CUDA allocator retried in {self.sizer.thrash_steps} batches in a row; "
-                f"micro-batches of {self.sizer.size} from step {step}, before it runs out of memory"
-            )
 
     # ---------------------------------------------------------------- evaluation
     def _evaluation_step(self, pl_module: LightningModule, name: str) -> Callable[..., Any]:
