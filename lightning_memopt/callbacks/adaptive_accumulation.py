@@ -172,6 +172,10 @@ class AdaptiveAccumulation(Callback):
         for name in list(self._originals):
             self._uninstall(pl_module, name)
 
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "")  # Lightning skips teardown hooks after an error
+
     # ---------------------------------------------------------------- training
     def _training_step(self, trainer: Trainer, pl_module: LightningModule) -> Callable[..., Any]:
         original = pl_module.training_step
@@ -211,10 +215,11 @@ class AdaptiveAccumulation(Callback):
         if result.micro_batch_size < size:
             self.sizer.recovered(trainer.global_step, result.micro_batch_size)
             self._warn_batch_norm(pl_module, result.micro_batch_size, total)
+            cause = f" ({result.oom_errors[0][:160]})" if result.oom_errors else " on another rank"
             rank_zero_info(
-                f"AdaptiveAccumulation: out of memory at step {trainer.global_step} with micro-batches of {size}; "
-                f"the batch of {total} ran in micro-batches of {result.micro_batch_size} "
-                f"({len(result.sizes)} this rank) and the optimizer step is unchanged"
+                f"AdaptiveAccumulation: out of memory at step {trainer.global_step} with micro-batches of {size}"
+                f"{cause}; the batch of {total} ran in micro-batches of {result.micro_batch_size} "
+                f"({len(result.sizes)} on this rank) and the optimizer step is unchanged"
             )
         elif self.sizer.allocator_retried(bool(result.flags[0]), trainer.global_step, total):
             rank_zero_info(

@@ -356,7 +356,7 @@ def test_the_hydra_bundle(compose_train):
     callback = instantiate(cfg.memopt.callbacks.adaptive_accumulation)
     assert (callback.sizer.grow_after, callback.sizer.thrash_steps, callback.schedule) == (500, 3, None)
     scheduled = compose_train(
-        "memopt=adaptive", "+memopt.callbacks.adaptive_accumulation.accumulate_schedule={0:1,100:4}"
+        "memopt=adaptive", "memopt.callbacks.adaptive_accumulation.accumulate_schedule={0:1,100:4}"
     )
     assert instantiate(scheduled.memopt.callbacks.adaptive_accumulation).schedule.at(100) == 4
 
@@ -381,19 +381,32 @@ def test_ddp_with_an_oom_on_rank_1_only(tmp_path, fault):
 def test_a_real_cuda_oom_is_recovered():
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
-    free_fraction = 2 * 2**30 / total  # a 2 GiB device
 
     class Wide(OOMToy):
         def training_step(self, batch, batch_idx):
             x, y, ids = batch
-            hidden = x.repeat(1, 2**16)  # 2 MiB per sample, kept for the backward
-            loss = (self(x) - y).pow(2).mean() + hidden.pow(2).mean() * 0 + self.counter(ids).mean()
-            return loss
+            wide = x.repeat(1, 2**21)  # 64 MiB per sample, kept for the backward by pow
+            return (self(x) - y).pow(2).mean() + wide.pow(2).mean() * 0 + self.counter(ids).mean()
 
-    torch.cuda.set_per_process_memory_fraction(free_fraction)
+    reference = OOMToy(batch_size=SAMPLES, optimizer="sgd")
+    fit(reference, max_steps=2, accelerator="cuda")
+    torch.cuda.set_per_process_memory_fraction(2 * 2**30 / total)  # a 2 GiB device: 4 GiB per batch fails
     try:
-        module, callback = Wide(batch_size=2048), AdaptiveAccumulation()  # 4 GiB of activations per batch
-        fit(module, [callback], max_steps=1, accelerator="cuda")
+        module, callback = Wide(batch_size=SAMPLES, optimizer="sgd"), AdaptiveAccumulation()
+        fit(module, [callback], max_steps=2, accelerator="cuda")
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    assert callback.sizer.oom_recoveries == 1 and callback.sizer.size < 2048
+    assert callback.sizer.oom_recoveries == 1 and callback.sizer.size < SAMPLES
+    assert relative_error(module.cpu(), reference.cpu()) < 1e-5
+
+
+class Broken(OOMToy):
+    def training_step(self, batch, batch_idx):
+        raise ValueError("a bug in the user's step")
+
+
+def test_an_error_in_training_puts_the_steps_back_too():
+    module = Broken()
+    with pytest.raises(ValueError, match="a bug in the user's step"):
+        fit(module, [AdaptiveAccumulation()], max_steps=1)
+    assert "training_step" not in module.__dict__ and "validation_step" not in module.__dict__

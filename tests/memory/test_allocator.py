@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_memopt.cli.train import train
-from lightning_memopt.memory.allocator import ENV_VAR, allocator_settings, configure_allocator
+from lightning_memopt.memory.allocator import ENV_VAR, allocator_retries, allocator_settings, configure_allocator
 from tests.helpers import TINY_FACE
 
 
@@ -51,3 +51,25 @@ def test_memopt_train_writes_the_allocator_options_before_it_starts(compose_trai
         compose_train(*TINY_FACE, "memopt.allocator.expandable_segments=true", "memopt.allocator.max_split_size_mb=256")
     )
     assert os.environ[ENV_VAR] == "expandable_segments:True,max_split_size_mb:256"
+
+
+def test_no_allocator_retries_off_cuda():
+    assert allocator_retries("cpu") == 0
+    assert allocator_retries(torch.device("meta")) == 0
+
+
+@pytest.mark.cuda
+def test_allocator_retries_count_a_cache_flush():
+    torch.cuda.init()
+    before = allocator_retries("cuda")
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(2**30 / total)  # 1 GiB
+    try:
+        block = torch.empty(600 * 2**20, dtype=torch.uint8, device="cuda")
+        del block  # cached, not returned
+        bigger = torch.empty(700 * 2**20, dtype=torch.uint8, device="cuda")  # fits only once the cache is freed
+        del bigger
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert allocator_retries("cuda") > before
