@@ -14,15 +14,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from lightning_memopt.accumulation.split import batch_size, merge_outputs, slice_batch
+from lightning_memopt.accumulation.split import BatchSplitError, batch_size, merge_outputs, slice_batch
 from lightning_memopt.memory.oom import is_oom_error, release_memory
 
 LOSS_REDUCTIONS = ("mean", "sum")
 Shrink = Callable[[int], int]
 Agree = Callable[[list[int]], list[int]]
+
+
+def check_loss_reduction(loss_reduction: str) -> None:
+    """Raise ``ValueError`` unless ``loss_reduction`` is ``"mean"`` or ``"sum"``."""
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"Unknown `loss_reduction`={loss_reduction!r}; valid choices: {', '.join(LOSS_REDUCTIONS)}")
 
 
 def halve(size: int) -> int:
@@ -37,10 +43,11 @@ def halve(size: int) -> int:
 
 
 class SampleOutOfMemoryError(torch.OutOfMemoryError):
-    """Even a micro-batch of one sample runs out of memory.
+    """Even a micro-batch of one sample runs out of memory, or a batch that cannot be split does.
 
     Attributes:
-        sample: the one-sample batch that failed (``None`` on the ranks where another rank failed).
+        sample: what failed: the one-sample micro-batch, or the whole batch that cannot be split
+            (``None`` on the ranks where another rank failed).
         profile: a :class:`~lightning_memopt.memory.MemoryProfile` of a step on that sample, when known.
     """
 
@@ -58,6 +65,7 @@ class MicroBatchResult:
     loss: torch.Tensor | None  # the whole batch's loss, detached (None without a backward pass)
     sizes: list[int]  # the micro-batches that completed, in order
     micro_batch_size: int  # the size to use next (agreed by every rank)
+    recovered: bool = False  # some rank ran out of memory in this batch and recovered (agreed)
     oom_errors: list[str] = field(default_factory=list)  # the out-of-memory errors recovered from here
     flags: list[int] = field(default_factory=list)  # the ``flags`` passed to ``run``, maximum over ranks
 
@@ -76,6 +84,7 @@ class _Run:
     covered: list[int] = field(default_factory=list)  # per parameter: its gradient holds samples [0, covered)
     chunk_end: int = 0
     failed_sample: Any = None
+    unsplittable: BatchSplitError | None = None  # why the batch can only run whole
 
 
 class MicroBatchRunner:
@@ -118,10 +127,7 @@ class MicroBatchRunner:
         loss_reduction: str = "mean",
         agree: Agree | None = None,
     ) -> None:
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(
-                f"Unknown `loss_reduction`={loss_reduction!r}; valid choices: {', '.join(LOSS_REDUCTIONS)}"
-            )
+        check_loss_reduction(loss_reduction)
         self.module = module
         self.shrink = shrink
         self.loss_reduction = loss_reduction
@@ -148,16 +154,29 @@ class MicroBatchRunner:
             weight: a factor on every loss before ``backward`` (``1 / accumulate_grad_batches``).
             flags: ints of this rank to agree on as well; their maximum over ranks is in ``result.flags``.
 
+        A batch that :func:`batch_size` cannot measure runs whole when ``micro_batch_size`` is
+        ``None``; only if it then runs out of memory is that an error.
+
         Raises:
-            SampleOutOfMemoryError: when a single sample runs out of memory (on every rank).
+            SampleOutOfMemoryError: when a single sample, or a batch that cannot be split, runs out
+                of memory (on every rank).
+            BatchSplitError: for a ``micro_batch_size`` with a batch that cannot be split.
+            ValueError: for a batch without samples.
         """
-        total = batch_size(batch)
+        try:
+            total, unsplittable = batch_size(batch), None
+        except BatchSplitError as error:
+            if micro_batch_size is not None:
+                raise
+            total, unsplittable = 1, error  # it runs whole, as one indivisible piece
+        if total == 0:
+            raise ValueError("`batch` has no samples: there is nothing to run")
         size = total if micro_batch_size is None else max(1, min(int(micro_batch_size), total))
-        run = _Run(batch, total, step, backward, weight)
+        run = _Run(batch, total, step, backward, weight, unsplittable=unsplittable)
         parameters = [p for p in self.module.parameters() if p.requires_grad] if backward is not None else []
         run.covered = [0] * len(parameters)
         handles = [p.register_post_accumulate_grad_hook(self._coverage(run, i)) for i, p in enumerate(parameters)]
-        agreed_flags = list(flags)
+        agreed_flags, recovered = list(flags), False
         try:
             position = 0
             while True:
@@ -166,9 +185,10 @@ class MicroBatchRunner:
                     end = min(position + size, total)
                     size, failure = self._run_range(run, parameters, position, end, size)
                     position = end
-                negative_size, failed, unfinished, *agreed_flags = self._agree(
-                    [-size, int(failure is not None), int(position < total), *agreed_flags]
+                negative_size, failed, unfinished, oom, *agreed_flags = self._agree(
+                    [-size, int(failure is not None), int(position < total), int(bool(run.oom_errors)), *agreed_flags]
                 )
+                recovered = recovered or bool(oom)
                 if failed:
                     raise self._one_sample_error(run, failure)
                 size = -negative_size
@@ -177,7 +197,7 @@ class MicroBatchRunner:
         finally:
             for handle in handles:
                 handle.remove()
-        return self._result(run, size, agreed_flags)
+        return self._result(run, size, recovered, agreed_flags)
 
     def _agree(self, values: list[int]) -> list[int]:
         return values if self.agree is None else [int(v) for v in self.agree(values)]
@@ -203,7 +223,7 @@ class MicroBatchRunner:
             run.oom_errors.append(error)
             release_memory()
             if end - position == 1:
-                run.failed_sample = slice_batch(run.batch, position, end)
+                run.failed_sample = _piece(run, position, end)
                 return size, error
             # redo the failed piece smaller; `end` stays a boundary, so gradient coverage lines up
             size, failure = self._run_range(run, parameters, position, end, self._smaller(end - position))
@@ -219,13 +239,14 @@ class MicroBatchRunner:
         return smaller
 
     def _run_chunk(self, run: _Run, parameters: list[nn.Parameter], start: int, stop: int) -> str | None:
-        buffers = list(self.module.buffers()) if run.backward is not None else []  # batch-norm statistics
-        snapshot = [b.clone() for b in buffers]
         # parameters whose gradient already holds these samples (from a backward that failed later on)
         done = [p.register_hook(_no_gradient) for i, p in enumerate(parameters) if run.covered[i] >= stop]
         run.chunk_end = stop
+        snapshot: dict[str, torch.Tensor] = {}
         try:
-            self._forward_backward(run, slice_batch(run.batch, start, stop), stop - start)
+            if run.backward is not None:  # batch-norm statistics, put back if the piece fails part-way
+                snapshot = {name: buffer.clone() for name, buffer in self.module.named_buffers()}
+            self._forward_backward(run, _piece(run, start, stop), stop - start)
         except Exception as error:
             if not is_oom_error(error):
                 raise
@@ -235,8 +256,8 @@ class MicroBatchRunner:
         finally:
             for handle in done:
                 handle.remove()
-        if buffers:
-            torch._foreach_copy_(buffers, snapshot)
+        for name, saved in snapshot.items():  # by name: a forward may have assigned a new tensor
+            self.module.get_buffer(name).copy_(saved)
         return message
 
     def _forward_backward(self, run: _Run, chunk: Any, samples: int) -> None:
@@ -246,7 +267,7 @@ class MicroBatchRunner:
         if run.backward is not None:
             if loss is not None:
                 run.backward(loss * (share * run.weight))
-            output = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
+            output = apply_to_collection(output, torch.Tensor, torch.Tensor.detach)  # no graph outlives its piece
         run.outputs.append(output)
         run.sizes.append(samples)
         if loss is not None:
@@ -255,20 +276,26 @@ class MicroBatchRunner:
     def _one_sample_error(self, run: _Run, failure: str | None) -> SampleOutOfMemoryError:
         if failure is None:
             return SampleOutOfMemoryError(
-                "AdaptiveAccumulation: another rank ran out of memory on a micro-batch of one sample; "
+                "AdaptiveAccumulation: another rank ran out of memory on a piece it cannot split further; "
                 "every rank stops together"
+            )
+        if run.unsplittable is not None:
+            return SampleOutOfMemoryError(
+                f"AdaptiveAccumulation: the batch ran out of memory ({failure}) and cannot be split into "
+                f"micro-batches: {run.unsplittable}",
+                sample=run.batch,
             )
         return SampleOutOfMemoryError(
             f"AdaptiveAccumulation: a micro-batch of one sample does not fit ({failure})",
             sample=run.failed_sample,
         )
 
-    def _result(self, run: _Run, size: int, flags: list[int]) -> MicroBatchResult:
+    def _result(self, run: _Run, size: int, recovered: bool, flags: list[int]) -> MicroBatchResult:
         loss = torch.stack(run.losses).sum() if run.losses and run.backward is not None else None
         output = merge_outputs(run.outputs, run.sizes)
         if loss is not None and len(run.outputs) > 1:
-            output = _with_loss(output, loss)
-        return MicroBatchResult(output, loss, run.sizes, size, run.oom_errors, flags)
+            output = with_loss(output, loss)
+        return MicroBatchResult(output, loss, run.sizes, size, recovered, run.oom_errors, flags)
 
 
 def _no_gradient(grad: torch.Tensor) -> torch.Tensor:
@@ -283,7 +310,14 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     return None
 
 
-def _with_loss(output: Any, loss: torch.Tensor) -> Any:
+def with_loss(output: Any, loss: torch.Tensor) -> Any:
+    """``output`` (a loss tensor or a mapping with ``"loss"``) with ``loss`` as its loss."""
     if isinstance(output, torch.Tensor):
         return loss
     return type(output)({**output, "loss": loss})
+
+
+def _piece(run: _Run, start: int, stop: int) -> Any:
+    if run.unsplittable is not None or (start, stop) == (0, run.total):
+        return run.batch
+    return slice_batch(run.batch, start, stop)

@@ -57,15 +57,17 @@ class MicroBatchSizer:
         self.last_change_step = 0
         self.grew_at: int | None = None
         self.thrashing_steps = 0  # consecutive steps with allocator retries
+        self.largest_batch = 0  # growth stops at the loader's batch, not at a short last batch
 
     def size_for(self, step: int, batch_size: int) -> int:
         """The micro-batch size for a batch of ``batch_size`` at optimizer step ``step`` (grows back when due)."""
+        self.largest_batch = max(self.largest_batch, batch_size)
         if (
             self.size is not None
             and self.grow_interval is not None
             and step - self.last_change_step >= self.grow_interval
         ):
-            self.size = None if 2 * self.size >= batch_size else 2 * self.size
+            self.size = None if 2 * self.size >= self.largest_batch else 2 * self.size
             self.last_change_step = self.grew_at = step
         return batch_size if self.size is None else min(self.size, batch_size)
 
@@ -95,17 +97,21 @@ class MicroBatchSizer:
     def state_dict(self) -> dict[str, Any]:
         return {
             "size": self.size,
+            "grow_after": self.grow_after,
             "grow_interval": self.grow_interval,
             "oom_recoveries": self.oom_recoveries,
             "preemptive_shrinks": self.preemptive_shrinks,
             "last_change_step": self.last_change_step,
             "grew_at": self.grew_at,
+            "largest_batch": self.largest_batch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.size = state.get("size", self.size)
-        self.grow_interval = state.get("grow_interval", self.grow_interval)
+        if state.get("grow_after") == self.grow_after:  # a run resumed with another `grow_after` starts afresh
+            self.grow_interval = state.get("grow_interval", self.grow_interval)
         self.oom_recoveries = state.get("oom_recoveries", 0)
         self.preemptive_shrinks = state.get("preemptive_shrinks", 0)
         self.last_change_step = state.get("last_change_step", 0)
         self.grew_at = state.get("grew_at")
+        self.largest_batch = state.get("largest_batch", 0)

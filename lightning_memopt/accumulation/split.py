@@ -49,6 +49,9 @@ def register_batch_type(
     """
     if not isinstance(cls, type):
         raise TypeError(f"`cls`={cls!r} must be a type")
+    for name, function in (("size", size), ("slice", slice)):
+        if not callable(function):
+            raise TypeError(f"`{name}`={function!r} must be a function")
     _CUSTOM[cls] = (size, slice)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,19 +12,21 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from typing_extensions import override
 
 from lightning_memopt.accumulation import (
-    LOSS_REDUCTIONS,
+    BatchSplitError,
     MicroBatchResult,
     MicroBatchRunner,
     SampleOutOfMemoryError,
     batch_size,
     halve,
 )
-from lightning_memopt.accumulation.micro_batch import Shrink
+from lightning_memopt.accumulation.micro_batch import Shrink, check_loss_reduction, with_loss
 from lightning_memopt.accumulation.schedule import AccumulationSchedule
 from lightning_memopt.accumulation.sizing import MicroBatchSizer
 from lightning_memopt.memory.allocator import allocator_retries
@@ -92,13 +95,9 @@ class AdaptiveAccumulation(Callback):
             raise MisconfigurationException(
                 f"AdaptiveAccumulation: `shrink`={shrink!r} must be 'halve' or a function size -> smaller size"
             )
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise MisconfigurationException(
-                f"AdaptiveAccumulation: unknown `loss_reduction`={loss_reduction!r}; "
-                f"valid choices: {', '.join(LOSS_REDUCTIONS)}"
-            )
         self.shrink: Shrink = halve if shrink == "halve" else shrink  # type: ignore[assignment]
         try:
+            check_loss_reduction(loss_reduction)
             self.sizer = MicroBatchSizer(micro_batch_size, self.shrink, grow_after, thrash_steps)
             self.schedule = AccumulationSchedule(accumulate_schedule) if accumulate_schedule is not None else None
         except ValueError as error:
@@ -113,6 +112,8 @@ class AdaptiveAccumulation(Callback):
         self._eval_runner: MicroBatchRunner | None = None
         self._warned_batch_norm = False
         self._allocator_retries = 0
+        self._batch_idx = 0  # of the batch in training: a training_step need not take `batch_idx`
+        self._accumulate: int | None = None  # accumulate_grad_batches the schedule set (saved in checkpoints)
 
     # ---------------------------------------------------------------- setup and teardown
     @override
@@ -122,17 +123,30 @@ class AdaptiveAccumulation(Callback):
             raise MisconfigurationException(
                 f"AdaptiveAccumulation works with single-device and DDP strategies, not {type(strategy).__name__}"
             )
+        if trainer.world_size > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules()):
+            rank_zero_warn(
+                "AdaptiveAccumulation: SyncBatchNorm runs collectives inside the forward pass. An out-of-memory error "
+                "on one rank in the middle of them cannot be realigned with the other ranks: give a "
+                "`micro_batch_size` known to fit (the planner's) rather than rely on recovery"
+            )
+        steps: tuple[str, ...] = ("validation_step",) if stage == "fit" else _EVAL_STEPS[stage]
+        steps = tuple(name for name in steps if self.evaluation and is_overridden(name, pl_module))
         if stage == "fit":
             self._check_fit(trainer, pl_module)
-        agree = self._agree_across_ranks(trainer) if trainer.world_size > 1 else None
-        self._train_runner = MicroBatchRunner(pl_module, self.shrink, self.loss_reduction, agree)
-        self._allocator_retries = allocator_retries(strategy.root_device)
+            agree = self._agree_across_ranks(strategy.root_device) if trainer.world_size > 1 else None
+            self._train_runner = MicroBatchRunner(pl_module, self.shrink, self.loss_reduction, agree)
+            self._allocator_retries = allocator_retries(strategy.root_device)
+            steps = ("training_step", *steps)
         self._eval_runner = MicroBatchRunner(pl_module, self.shrink)
-        if stage == "fit":
-            self._install(pl_module, "training_step", self._training_step(trainer, pl_module))
-        if self.evaluation:
-            for name in ("validation_step",) if stage == "fit" else _EVAL_STEPS[stage]:
-                self._install(pl_module, name, self._evaluation_step(pl_module, name))
+        for name in steps:
+            if is_param_in_hook_signature(getattr(pl_module, name), "dataloader_iter", explicit=True):
+                raise MisconfigurationException(
+                    f"AdaptiveAccumulation cannot split the batches of a `{name}(dataloader_iter)`: it fetches its "
+                    "own batches; take `batch` instead, or leave this callback out"
+                )
+        for name in steps:
+            wrapper = self._training_step if name == "training_step" else self._evaluation_step
+            self._install(pl_module, name, wrapper(trainer, pl_module, name))
 
     def _check_fit(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not pl_module.automatic_optimization:
@@ -148,10 +162,11 @@ class AdaptiveAccumulation(Callback):
             )
 
     @staticmethod
-    def _agree_across_ranks(trainer: Trainer) -> Callable[[list[int]], list[int]]:
+    def _agree_across_ranks(device: torch.device) -> Callable[[list[int]], list[int]]:
         def agree(values: list[int]) -> list[int]:
-            flags = torch.tensor(values, dtype=torch.int64, device=trainer.strategy.root_device)
-            return trainer.strategy.reduce(flags, reduce_op="max").tolist()
+            flags = torch.tensor(values, dtype=torch.int64, device=device)
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)  # one collective, no barrier
+            return flags.tolist()
 
         return agree
 
@@ -177,28 +192,25 @@ class AdaptiveAccumulation(Callback):
         self.teardown(trainer, pl_module, "")  # Lightning skips teardown hooks after an error
 
     # ---------------------------------------------------------------- training
-    def _training_step(self, trainer: Trainer, pl_module: LightningModule) -> Callable[..., Any]:
+    def _training_step(self, trainer: Trainer, pl_module: LightningModule, name: str) -> Callable[..., Any]:
         original = pl_module.training_step
 
+        @functools.wraps(original)  # Lightning reads the signature (is `batch_idx` taken?) and the override
         def training_step(*args: Any, **kwargs: Any) -> Any:
-            if not trainer.training:
-                return original(*args, **kwargs)
-            batch, batch_idx = _batch_and_index(args, kwargs)
-            return self._train_batch(trainer, pl_module, _on_chunks(original, args, kwargs), batch, batch_idx)
+            batch = args[0] if args else kwargs["batch"]
+            return self._train_batch(trainer, pl_module, _on_chunks(trainer, original, args, kwargs), batch)
 
         return training_step
 
-    def _train_batch(
-        self, trainer: Trainer, pl_module: LightningModule, step: Callable[[Any], Any], batch: Any, batch_idx: int
-    ) -> Any:
+    def _train_batch(self, trainer: Trainer, pl_module: LightningModule, step: Callable[[Any], Any], batch: Any) -> Any:
         assert self._train_runner is not None
         accumulate = trainer.accumulate_grad_batches
-        if batch_idx % accumulate == 0:
+        if self._batch_idx % accumulate == 0:
             # Lightning zeroes after training_step, before backward; the micro-batches' backward comes first
-            pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, trainer.optimizers[0])
-        total = batch_size(batch)
-        size = self.sizer.size_for(trainer.global_step, total)
-        if size < total:
+            pl_module.optimizer_zero_grad(trainer.current_epoch, self._batch_idx, trainer.optimizers[0])
+        total = _size_or_none(batch)  # None: a batch that cannot be split runs whole
+        size = None if total is None else self.sizer.size_for(trainer.global_step, total)
+        if total is not None and size is not None:
             self._warn_batch_norm(pl_module, size, total)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         try:
@@ -206,14 +218,19 @@ class AdaptiveAccumulation(Callback):
                 step,
                 batch,
                 size,
-                backward=lambda loss: _backward(loss, scaler),
+                backward=lambda loss: _backward(pl_module, loss, scaler),
                 weight=1.0 / accumulate,
                 flags=[self._allocator_retried_since_last_batch(trainer)],
             )
         except SampleOutOfMemoryError as error:
             raise self._with_profile(error, trainer, pl_module) from None
-        if result.micro_batch_size < size:
+        finally:
+            _attach_batch(trainer, batch)
+        if total is None:  # ran whole (another rank's recovery cannot change that)
+            return _deliver(pl_module, result)
+        if result.recovered:
             self.sizer.recovered(trainer.global_step, result.micro_batch_size)
+            self._allocator_retries = allocator_retries(trainer.strategy.root_device)  # the OOM's own retries
             self._warn_batch_norm(pl_module, result.micro_batch_size, total)
             cause = f" ({result.oom_errors[0][:160]})" if result.oom_errors else " on another rank"
             rank_zero_info(
@@ -245,17 +262,17 @@ class AdaptiveAccumulation(Callback):
             self._warned_batch_norm = True
             rank_zero_warn(
                 f"AdaptiveAccumulation: micro-batches of {size} (of {total}) change the batch statistics of the "
-                f"model's {len(layers)} batch-norm layers ({', '.join(sorted(set(layers)))}). SyncBatchNorm "
-                "(statistics over every rank's micro-batch), ghost batch norm, or GroupNorm / LayerNorm keep them "
-                "independent of the micro-batch size"
+                f"model's {len(layers)} batch-norm layers ({', '.join(sorted(set(layers)))}). Ghost batch norm or "
+                "GroupNorm / LayerNorm keep them independent of the micro-batch size; SyncBatchNorm pools every "
+                "rank's micro-batch (under DDP, with a `micro_batch_size` that fits: see the README)"
             )
 
     def _with_profile(
         self, error: SampleOutOfMemoryError, trainer: Trainer, pl_module: LightningModule
     ) -> SampleOutOfMemoryError:
         """The error again, with a fake-mode memory profile of a training step on the failing sample."""
-        if error.sample is None:
-            return error
+        if error.sample is None or any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules()):
+            return error  # (a SyncBatchNorm forward would wait for ranks that have stopped)
         precision = getattr(trainer.precision_plugin, "precision", trainer.precision)
         precision = precision if precision in PRECISIONS else "32-true"
         try:
@@ -282,7 +299,13 @@ class AdaptiveAccumulation(Callback):
             self._install(pl_module, name, hook)
 
     @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.schedule is not None and self._accumulate is not None:
+            trainer.accumulate_grad_batches = self._accumulate  # as the checkpoint's run had it
+
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_idx = batch_idx
         if self.schedule is None or batch_idx % trainer.accumulate_grad_batches:
             return
         wanted = self.schedule.at(trainer.global_step)
@@ -292,6 +315,7 @@ class AdaptiveAccumulation(Callback):
                 f"at step {trainer.global_step}"
             )
             trainer.accumulate_grad_batches = wanted
+        self._accumulate = trainer.accumulate_grad_batches
 
     @override
     def on_train_batch_end(
@@ -303,16 +327,20 @@ class AdaptiveAccumulation(Callback):
         pl_module.log("memopt/oom_recoveries", float(self.sizer.oom_recoveries), on_step=True, on_epoch=False)
 
     # ---------------------------------------------------------------- evaluation
-    def _evaluation_step(self, pl_module: LightningModule, name: str) -> Callable[..., Any]:
+    def _evaluation_step(self, trainer: Trainer, pl_module: LightningModule, name: str) -> Callable[..., Any]:
         original = getattr(pl_module, name)
 
+        @functools.wraps(original)
         def evaluation_step(*args: Any, **kwargs: Any) -> Any:
             assert self._eval_runner is not None
-            batch, _ = _batch_and_index(args, kwargs)
-            total = batch_size(batch)
-            size = total if self.eval_micro_batch_size is None else min(self.eval_micro_batch_size, total)
-            result = self._eval_runner.run(_on_chunks(original, args, kwargs), batch, size)
-            if result.micro_batch_size < size:
+            batch = args[0] if args else kwargs["batch"]
+            total = _size_or_none(batch)
+            size = None if total is None or self.eval_micro_batch_size is None else self.eval_micro_batch_size
+            try:
+                result = self._eval_runner.run(_on_chunks(trainer, original, args, kwargs), batch, size)
+            finally:
+                _attach_batch(trainer, batch)
+            if result.recovered:
                 self.eval_micro_batch_size = result.micro_batch_size
                 rank_zero_info(
                     f"AdaptiveAccumulation: out of memory in {name}; batches of {total} are evaluated in chunks of "
@@ -329,12 +357,14 @@ class AdaptiveAccumulation(Callback):
             **self.sizer.state_dict(),
             "eval_micro_batch_size": self.eval_micro_batch_size,
             "accumulate_schedule": self.schedule.describe() if self.schedule else None,
+            "accumulate_grad_batches": self._accumulate,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.sizer.load_state_dict(state_dict)
         self.eval_micro_batch_size = state_dict.get("eval_micro_batch_size")
+        self._accumulate = state_dict.get("accumulate_grad_batches")
         saved = state_dict.get("accumulate_schedule")
         current = self.schedule.describe() if self.schedule else None
         if saved != current:
@@ -377,26 +407,36 @@ def _deliver(pl_module: LightningModule, result: MicroBatchResult) -> Any:
     gradients = [p.grad for p in parameters]
     for parameter in parameters:
         parameter.grad = None  # Lightning's zero_grad, which runs before its backward, finds nothing to clear
-    loss = _DeliverGradients.apply(result.loss, gradients, *parameters)
-    return loss if isinstance(result.output, torch.Tensor) else type(result.output)({**result.output, "loss": loss})
+    return with_loss(result.output, _DeliverGradients.apply(result.loss, gradients, *parameters))
 
 
-def _backward(loss: torch.Tensor, scaler: Any) -> None:
-    # outside the training step's autocast, as Lightning runs its backward
+def _backward(pl_module: LightningModule, loss: torch.Tensor, scaler: Any) -> None:
+    # outside the training step's autocast, as Lightning runs its backward; through the module's `backward` hook
     with torch.autocast(loss.device.type, enabled=False):
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        pl_module.backward(scaler.scale(loss) if scaler is not None else loss)
 
 
-def _batch_and_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
-    batch = args[0] if args else kwargs["batch"]
-    batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-    return batch, batch_idx
+def _size_or_none(batch: Any) -> int | None:
+    try:
+        return batch_size(batch)
+    except BatchSplitError:
+        return None  # it runs whole; only an out-of-memory error on it is an error
 
 
-def _on_chunks(step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[Any], Any]:
-    """``step`` called as Lightning called it, with a micro-batch in place of the batch."""
+def _attach_batch(trainer: Trainer, batch: Any) -> None:
+    """Point Lightning's logging at ``batch``: ``self.log`` weighs its ``on_epoch`` means by that batch's size."""
+    results = getattr(trainer, "_results", None)
+    if results is not None:
+        results.batch, results.batch_size = batch, None
+
+
+def _on_chunks(
+    trainer: Trainer, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Callable[[Any], Any]:
+    """``step`` called as Lightning called it, with a micro-batch in place of the batch (and logged as one)."""
 
     def on_chunk(chunk: Any) -> Any:
+        _attach_batch(trainer, chunk)
         if args:
             return step(chunk, *args[1:], **kwargs)
         return step(**{**kwargs, "batch": chunk})

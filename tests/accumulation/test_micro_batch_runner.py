@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_memopt.accumulation import MicroBatchRunner, SampleOutOfMemoryError, halve
+from lightning_memopt.accumulation import BatchSplitError, MicroBatchRunner, SampleOutOfMemoryError, halve
 from lightning_memopt.memory import MemoryTracker, SimulatedDevice
 
 
@@ -194,15 +194,14 @@ def test_agreement_across_ranks():
 
     def other_rank_is_smaller_and_slower(values):
         calls.append(list(values))
-        negative_size, failed, unfinished = values
-        other_size = 2 if len(calls) >= 1 else -negative_size
-        return [max(negative_size, -other_size), failed, 1 if len(calls) < 8 else unfinished]
+        negative_size, failed, unfinished, oom = values
+        return [max(negative_size, -2), failed, 1 if len(calls) < 8 else unfinished, oom]  # the other rank: size 2
 
     model = Net()
     result = MicroBatchRunner(model, agree=other_rank_is_smaller_and_slower).run(
         loss_fn(model), BATCH, 5, backward=torch.Tensor.backward
     )
-    assert result.sizes == [5, 2, 2, 2, 2] and result.micro_batch_size == 2
+    assert result.sizes == [5, 2, 2, 2, 2] and result.micro_batch_size == 2 and not result.recovered
     assert len(calls) == 8  # kept agreeing while the other rank had samples left
     assert calls[-1][2] == 0
     assert_close([p.grad for p in model.parameters()], reference_gradients(BATCH))
@@ -211,7 +210,7 @@ def test_agreement_across_ranks():
 def test_failure_on_another_rank_stops_this_one():
     model = Net()
     with pytest.raises(SampleOutOfMemoryError, match="another rank") as info:
-        MicroBatchRunner(model, agree=lambda values: [values[0], 1, 0]).run(
+        MicroBatchRunner(model, agree=lambda values: [values[0], 1, 0, 1]).run(
             loss_fn(model), BATCH, 4, backward=torch.Tensor.backward
         )
     assert info.value.sample is None
@@ -233,3 +232,48 @@ def test_unknown_loss_reduction():
 
 def test_halve_rounds_up():
     assert [halve(n) for n in (2, 3, 8, 9)] == [1, 2, 4, 5]
+
+
+def test_an_oom_on_another_rank_counts_as_a_recovery_here():
+    model = Net()
+    result = MicroBatchRunner(model, agree=lambda values: [-2, 0, 0, 1]).run(
+        loss_fn(model), BATCH, None, backward=torch.Tensor.backward
+    )
+    assert result.recovered and not result.oom_errors and result.micro_batch_size == 2
+
+
+def test_a_batch_it_cannot_split_runs_whole_and_fails_with_both_reasons():
+    model = Net()
+    batch = (*BATCH, object())
+    result = MicroBatchRunner(model).run(lambda b: loss_fn(model)(b[:2]), batch, None, backward=torch.Tensor.backward)
+    assert result.sizes == [1]  # one indivisible piece
+    assert_close([p.grad for p in model.parameters()], reference_gradients(BATCH))
+    failing = Net(forward_limit=4)
+    with pytest.raises(SampleOutOfMemoryError, match="cannot be split into micro-batches: cannot split batch") as info:
+        MicroBatchRunner(failing).run(lambda b: loss_fn(failing)(b[:2]), batch, None, backward=torch.Tensor.backward)
+    assert info.value.sample is batch
+    with pytest.raises(BatchSplitError, match="type object"):
+        MicroBatchRunner(model).run(lambda b: loss_fn(model)(b[:2]), batch, 4, backward=torch.Tensor.backward)
+
+
+def test_an_empty_batch():
+    with pytest.raises(ValueError, match="`batch` has no samples"):
+        MicroBatchRunner(Net()).run(loss_fn(Net()), (torch.zeros(0, 6), torch.zeros(0, 3)), None)
+
+
+def test_a_reassigned_buffer_is_restored_by_name():
+    class Reassigning(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 1)
+            self.register_buffer("ema", torch.zeros(()))
+
+        def forward(self, x):
+            self.ema = self.ema * 0.5 + x.shape[0]  # a new tensor, not an in-place update
+            if x.shape[0] > 2:
+                raise injected_oom()
+            return self.layer(x)
+
+    model = Reassigning()
+    MicroBatchRunner(model).run(lambda x: model(x).sum(), torch.ones(4, 2), None, backward=torch.Tensor.backward)
+    assert model.ema.item() == pytest.approx((0 * 0.5 + 2) * 0.5 + 2)  # the two pieces of 2, not the failed 4

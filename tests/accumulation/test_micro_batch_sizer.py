@@ -50,18 +50,27 @@ def test_state_round_trip():
     sizer.size_for(7, 64)
     restored = MicroBatchSizer(grow_after=4, thrash_steps=2)
     restored.load_state_dict(sizer.state_dict())
-    assert (
-        restored.state_dict()
-        == sizer.state_dict()
-        == {
-            "size": 12,
-            "grow_interval": 4,
-            "oom_recoveries": 1,
-            "preemptive_shrinks": 0,
-            "last_change_step": 7,
-            "grew_at": 7,
-        }
-    )
+    expected = {
+        "size": 12,
+        "grow_after": 4,
+        "grow_interval": 4,
+        "oom_recoveries": 1,
+        "preemptive_shrinks": 0,
+        "last_change_step": 7,
+        "grew_at": 7,
+        "largest_batch": 64,
+    }
+    assert restored.state_dict() == sizer.state_dict() == expected
+    changed = MicroBatchSizer(grow_after=None)
+    changed.load_state_dict(sizer.state_dict())
+    assert changed.grow_interval is None and changed.size == 12  # the new `grow_after` wins
+
+
+def test_a_short_last_batch_does_not_end_the_micro_batching():
+    sizer = MicroBatchSizer(grow_after=1)
+    sizer.size_for(0, 64)
+    sizer.recovered(step=0, size=16)
+    assert sizer.size_for(1, 20) == 20 and sizer.size == 32  # grew to 32 (of 64), clamped to this batch
 
 
 @pytest.mark.parametrize(

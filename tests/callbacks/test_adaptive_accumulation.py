@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import lightning_memopt.callbacks.adaptive_accumulation as adaptive_module
 from lightning_memopt import AdaptiveAccumulation, PrecisionSwitch
-from lightning_memopt.accumulation import BatchSplitError, SampleOutOfMemoryError
+from lightning_memopt.accumulation import SampleOutOfMemoryError
 from lightning_memopt.memory import MemoryTracker, SimulatedDevice
 from tests.accumulation.test_micro_batch_runner import FailInBackward, injected_oom
 from tests.helpers import quiet_trainer, run_script
@@ -257,12 +257,21 @@ def test_evaluation_in_chunks_gives_identical_metrics():
         predictions = torch.cat(trainer.predict(module))
         return validation, test, predictions
 
-    reference = evaluate(OOMToy(), [])
+    # batches of 10 (the last of 4) in uneven chunks: 10 → 5 → 3 → [3, 2], then 3, 2, ...
+    reference = evaluate(OOMToy(batch_size=10), [])
     callback = AdaptiveAccumulation()
-    chunked = evaluate(OOMToy(eval_limit=3), [callback])
+    chunked = evaluate(OOMToy(batch_size=10, eval_limit=3), [callback])
+    assert set(chunked[0]) == {"val/loss", "val/mse"} and set(chunked[1]) == {"test/loss", "test/mse"}
     assert chunked[0] == pytest.approx(reference[0], rel=1e-6) and chunked[1] == pytest.approx(reference[1], rel=1e-6)
     torch.testing.assert_close(chunked[2], reference[2])
-    assert callback.eval_micro_batch_size == 2
+    assert callback.eval_micro_batch_size == 3
+
+
+def test_epoch_means_weigh_micro_batches_by_their_size():
+    reference = fit(OOMToy(batch_size=10), max_steps=7)  # a whole epoch: six batches of 10, one of 4
+    trainer = fit(OOMToy(batch_size=10, forward_limit=4), [AdaptiveAccumulation()], max_steps=7)
+    expected = reference.callback_metrics["train/loss_epoch"].item()
+    assert trainer.callback_metrics["train/loss_epoch"].item() == pytest.approx(expected, rel=1e-6)
 
 
 def test_validation_during_fit_is_chunked_too():
@@ -313,7 +322,7 @@ def test_teardown_puts_the_steps_back():
     ("arguments", "message"),
     [
         ({"shrink": "third"}, "`shrink`='third' must be 'halve' or a function"),
-        ({"loss_reduction": "max"}, "unknown `loss_reduction`='max'; valid choices: mean, sum"),
+        ({"loss_reduction": "max"}, "Unknown `loss_reduction`='max'; valid choices: mean, sum"),
         ({"micro_batch_size": 0}, "`micro_batch_size`=0 must be an int ≥ 1"),
         ({"accumulate_schedule": {0: 0}}, r"`accumulate_schedule`\[0\]=0 must be an int ≥ 1"),
     ],
@@ -335,19 +344,76 @@ def test_manual_optimization_is_refused():
         fit(module, [AdaptiveAccumulation()])
 
 
-class Unsplittable(Dataset):
+class Opaque:
+    """Something no batch splitter knows."""
+
+
+class OpaqueBatches(Dataset):
+    def __init__(self):
+        generator = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(SAMPLES, 8, generator=generator), torch.randn(SAMPLES, generator=generator)
+
     def __len__(self):
-        return 4
+        return SAMPLES
 
     def __getitem__(self, index):
-        return object()
+        return self.x[index], self.y[index], index
 
 
-def test_a_batch_it_cannot_split():
-    module = OOMToy()
-    module.train_dataloader = lambda: DataLoader(Unsplittable(), batch_size=2, collate_fn=lambda items: items[0])
-    with pytest.raises(BatchSplitError, match="cannot split batch of type object.*register_batch_type"):
-        fit(module, [AdaptiveAccumulation()])
+def opaque_collate(items):
+    x, y, ids = torch.utils.data.default_collate(items)
+    return x, y, ids, Opaque()
+
+
+class OpaqueToy(OOMToy):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch[:3], batch_idx)
+
+    def train_dataloader(self):
+        return DataLoader(OpaqueBatches(), batch_size=16, collate_fn=opaque_collate)
+
+
+def test_a_batch_it_cannot_split_runs_whole():
+    reference, module = OOMToy(), OpaqueToy()
+    fit(reference, max_steps=2)
+    fit(module, [AdaptiveAccumulation()], max_steps=2)
+    assert relative_error(module, reference) < 1e-6
+
+
+def test_a_batch_it_cannot_split_and_that_runs_out_of_memory():
+    with pytest.raises(
+        SampleOutOfMemoryError, match=r"cannot be split into micro-batches: .*batch\[3\] of type Opaque"
+    ):
+        fit(OpaqueToy(forward_limit=4), [AdaptiveAccumulation()], max_steps=1)
+
+
+class MinimalSignatures(OOMToy):
+    """Steps without `batch_idx`, and no validation_step at all: all legal in Lightning."""
+
+    def training_step(self, batch):
+        return super().training_step(batch, 0)
+
+    def predict_step(self, batch):
+        return super().predict_step(batch, 0)
+
+    validation_step = pl.LightningModule.validation_step
+
+
+def test_steps_without_batch_idx_and_a_missing_validation_step():
+    module, callback = MinimalSignatures(forward_limit=5), AdaptiveAccumulation()
+    trainer = fit(module, [callback], max_steps=2, limit_val_batches=None, val_check_interval=1)
+    assert not trainer.enable_validation and callback.sizer.size == 4
+    predictions = quiet_trainer(callbacks=[AdaptiveAccumulation()]).predict(MinimalSignatures(eval_limit=3))
+    assert torch.cat(predictions).shape == (SAMPLES,)
+
+
+def test_a_dataloader_iter_step_is_refused():
+    class IteratorStep(OOMToy):
+        def training_step(self, dataloader_iter):
+            return super().training_step(next(dataloader_iter)[0], 0)
+
+    with pytest.raises(MisconfigurationException, match=r"`training_step\(dataloader_iter\)`"):
+        fit(IteratorStep(), [AdaptiveAccumulation()])
 
 
 def test_the_hydra_bundle(compose_train):
@@ -372,6 +438,8 @@ def test_ddp_with_an_oom_on_rank_1_only(tmp_path, fault):
     assert ranks[0]["micro_batches"] == [1, 4, 4, 4]  # rank 0's whole batch fitted at step 0
     assert ranks[1]["micro_batches"] == [4, 4, 4, 4]  # 16 failed, then its first 8: four of 4
     assert ranks[0]["recoveries"] == ranks[1]["recoveries"] == 1
+    for got, other in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(got, other)  # one all-reduced gradient per step: the ranks stay identical
     for rank in ranks:
         for got, want in zip(rank["params"], rank["reference"], strict=True):
             assert ((got - want).norm() / want.norm()).item() < 1e-6
