@@ -36,7 +36,7 @@ import lightning.pytorch as pl
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from results import write_csv  # a sibling script: run from benchmarks/ or as a path
+from results import cpu_trainer, write_csv  # a sibling script: run from benchmarks/ or as a path
 
 from lightning_memopt import AdaptiveAccumulation
 from lightning_memopt.cli.config import config_dir
@@ -64,16 +64,7 @@ class StepTimes(pl.Callback):
 def train(cfg: Any, steps: int, callbacks: list[pl.Callback], device: Any) -> list[float]:
     """Seconds per step of ``steps`` training steps of ``cfg`` with ``callbacks``, inside ``device``."""
     times = StepTimes()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[*callbacks, times],
-    )
+    trainer = cpu_trainer(steps, [*callbacks, times], limit_val_batches=0)
     with device:  # the model is built inside: its parameters count against the budget
         torch.manual_seed(0)
         trainer.fit(instantiate(cfg.model), datamodule=instantiate(cfg.data))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
-from results import write_csv
+from results import cpu_trainer, write_csv
 
 from lightning_memopt.cli.config import config_dir
 from lightning_memopt.cli.profile import profile
@@ -56,7 +56,6 @@ def profile_preset(name: str, precision: str) -> dict:
 
 def monitor_overhead(every_n_steps: int, steps: int, rounds: int = 2) -> float:
     """Step time with MemoryMonitor / without, r18 at 64×64, batch 16, runs interleaved in one process."""
-    import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_memopt.callbacks import MemoryMonitor
@@ -69,15 +68,7 @@ def monitor_overhead(every_n_steps: int, steps: int, rounds: int = 2) -> float:
         for variant in ("without", "with"):
             summary = TrainingSummary()
             callbacks = [summary] + ([MemoryMonitor(every_n_steps=every_n_steps)] if variant == "with" else [])
-            trainer = pl.Trainer(
-                accelerator="cpu",
-                max_steps=steps,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                callbacks=callbacks,
-            )
+            trainer = cpu_trainer(steps, callbacks)
             trainer.fit(
                 FaceRecognitionModule(num_classes=100, backbone="r18", backbone_options={"input_size": 64}), data
             )

@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import lightning.pytorch as pl
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from memory_profile import REFERENCE_RUNS, profile_preset  # a sibling script: run from benchmarks/ or as a path
-from results import write_csv
+from results import cpu_trainer, write_csv
 
 from lightning_memopt.callbacks import PrecisionSwitch
 from lightning_memopt.callbacks.training_summary import TrainingSummary
@@ -58,16 +57,7 @@ def step_seconds(name: str, rounds: int, steps: int = 3) -> dict[str, float]:
         for precision in seconds:
             torch.manual_seed(0)
             summary = TrainingSummary()
-            trainer = pl.Trainer(
-                accelerator="cpu",
-                max_steps=steps,
-                limit_val_batches=0,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                callbacks=[PrecisionSwitch(precision), summary],
-            )
+            trainer = cpu_trainer(steps, [PrecisionSwitch(precision), summary], limit_val_batches=0)
             trainer.fit(instantiate(cfg.model), datamodule=instantiate(cfg.data))
             seconds[precision].append(summary.summary.train_seconds / steps)
     return {precision: min(values) for precision, values in seconds.items()}

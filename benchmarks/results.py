@@ -1,9 +1,12 @@
-"""Shared by the benchmark scripts: write the measured rows to a CSV file."""
+"""Shared by the benchmark scripts: a quiet CPU Trainer, and the measured rows written to a CSV file."""
 
 from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
 
 
 def write_csv(path: str | Path, rows: list[dict]) -> None:
@@ -13,3 +16,17 @@ def write_csv(path: str | Path, rows: list[dict]) -> None:
         writer.writeheader()
         writer.writerows(rows)
     print(f"wrote {path}")
+
+
+def cpu_trainer(steps: int, callbacks: list[pl.Callback], **options: Any) -> pl.Trainer:
+    """A CPU Trainer for ``steps`` steps without logger, checkpoints, progress bar or summary."""
+    return pl.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **options,
+    )
