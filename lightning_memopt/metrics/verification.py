@@ -1,0 +1,90 @@
+"""FaceVerification: accuracy by 10-fold threshold selection (the LFW protocol) and TAR at FAR, from pair scores."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torchmetrics import Metric
+from torchmetrics.utilities.data import dim_zero_cat
+
+from lightning_memopt.metrics.functional.verification import tar_at_far, verification_accuracy
+
+
+class FaceVerification(Metric):
+    """Verification accuracy and TAR at FAR of embedding pairs, storing one score per pair.
+
+    ``update(first, second, same)`` takes ``[B, D]`` embeddings of the two sides of ``B`` pairs and
+    whether each pair is the same identity. Alternatively it takes ``first_labels`` and
+    ``second_labels``, with ``same = first_labels == second_labels``. Only the pairs' cosine
+    similarities are kept, 8 bytes per pair with its flag, so memory is bounded by the number of
+    pairs, never by ``D``. Under DDP the scores are gathered at compute.
+
+    ``compute()`` returns:
+    - ``accuracy``: the mean over ``folds`` contiguous folds, each tested at the threshold that is
+      best on the other folds.
+    - ``threshold``: the mean of those thresholds.
+    - ``tar@far=…``: one entry for each of ``far_targets``.
+
+    Raises:
+        ValueError: for ``folds`` < 2, FARs outside (0, 1], mismatched shapes, or compute without pairs.
+
+    Example::
+
+        >>> metric = FaceVerification(folds=2, far_targets=(0.5,))
+        >>> a = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+        >>> b = torch.tensor([[0.9, 0.1], [0.1, 0.9], [0.1, 0.9], [0.9, 0.1]])
+        >>> metric.update(a, b, torch.tensor([True, False, True, False]))
+        >>> metric.compute()["accuracy"]
+        1.0
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+    scores: list[torch.Tensor]
+    same: list[torch.Tensor]
+
+    def __init__(self, folds: int = 10, far_targets: Sequence[float] = (1e-4, 1e-3), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
+            raise ValueError(f"`folds`={folds!r} must be an int ≥ 2")
+        for far in far_targets:
+            if not 0 < far <= 1:
+                raise ValueError(f"`far_targets` holds {far!r}; every FAR must be in (0, 1]")
+        self.folds, self.far_targets = folds, tuple(far_targets)
+        self.add_state("scores", default=[], dist_reduce_fx="cat")
+        self.add_state("same", default=[], dist_reduce_fx="cat")
+
+    def update(
+        self,
+        first: torch.Tensor,
+        second: torch.Tensor,
+        same: torch.Tensor | None = None,
+        first_labels: torch.Tensor | None = None,
+        second_labels: torch.Tensor | None = None,
+    ) -> None:
+        """Add the pairs ``(first[i], second[i])``; ``same`` or both label tensors say which match."""
+        if first.dim() != 2 or first.shape != second.shape:
+            raise ValueError(f"`first` {list(first.shape)} and `second` {list(second.shape)} must both be [B, D]")
+        if same is None:
+            if first_labels is None or second_labels is None:
+                raise ValueError("give `same`, or both `first_labels` and `second_labels`")
+            same = first_labels == second_labels
+        if same.shape != (first.shape[0],):
+            raise ValueError(f"`same` {list(same.shape)} must hold one flag per pair ({first.shape[0]})")
+        scores = F.cosine_similarity(first.detach().float(), second.detach().float(), dim=1)
+        self.scores.append(scores)
+        self.same.append(same.detach().bool())
+
+    def compute(self) -> dict[str, float]:
+        if not self.scores:
+            raise ValueError("FaceVerification.compute() before any update: there are no pairs")
+        scores, same = dim_zero_cat(self.scores).cpu(), dim_zero_cat(self.same).cpu()
+        accuracy, threshold = verification_accuracy(scores, same, self.folds)
+        result = {"accuracy": accuracy, "threshold": threshold}
+        for far in self.far_targets:
+            result[f"tar@far={far:g}"] = tar_at_far(scores, same, far)
+        return result
