@@ -80,7 +80,7 @@ class FaceVerification(Metric):
         self.same.append(same.detach().bool())
 
     def compute(self) -> dict[str, float]:
-        if not self.scores:
+        if isinstance(self.scores, list) and not self.scores:  # (after a DDP sync: one gathered tensor)
             raise ValueError("FaceVerification.compute() before any update: there are no pairs")
         scores, same = dim_zero_cat(self.scores).cpu(), dim_zero_cat(self.same).cpu()
         accuracy, threshold = verification_accuracy(scores, same, self.folds)

@@ -10,16 +10,16 @@ _EPS = 1e-12
 
 
 def chunk_rows(num_references: int, k: int, max_memory: int) -> int:
-    """Query rows per chunk so that a chunk's score matrix and top-k fit in ``max_memory`` bytes.
+    """Query rows per chunk so that a chunk's scores, a comparison mask and top-k fit in ``max_memory`` bytes.
 
     Example::
 
-        >>> chunk_rows(num_references=100_000, k=10, max_memory=2**30)  # 1 GiB: 2683 queries at a time
-        2683
+        >>> chunk_rows(num_references=100_000, k=10, max_memory=2**30)  # 1 GiB: 2146 queries at a time
+        2146
     """
     if max_memory <= 0:
         raise ValueError(f"`max_memory`={max_memory!r} must be a positive number of bytes")
-    per_row = 4 * num_references + 12 * k  # fp32 scores, then fp32 values + int64 indices of the top k
+    per_row = 5 * num_references + 12 * k  # fp32 scores and a bool mask; fp32 values + int64 indices of the top k
     return max(1, int(max_memory) // per_row)
 
 

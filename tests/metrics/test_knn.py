@@ -1,0 +1,110 @@
+import pytest
+import torch
+
+from lightning_memopt.memory import MemoryTracker
+from lightning_memopt.metrics.functional.knn import chunk_rows, knn
+
+
+def brute_force(query, reference, k, metric, exclude_self=False, offset=0):
+    """Every score, then sorted by (nearer first, lower index first)."""
+    if metric == "cosine":
+        q = query / query.norm(dim=1, keepdim=True)
+        r = reference / reference.norm(dim=1, keepdim=True)
+        scores = q.double() @ r.double().T
+    else:
+        scores = -torch.cdist(query.double(), reference.double())
+    if exclude_self:
+        for i in range(query.shape[0]):
+            scores[i, offset + i] = -torch.inf
+    results = []
+    for row in scores:
+        order = sorted(range(reference.shape[0]), key=lambda j: (-row[j].item(), j))[:k]
+        results.append(order)
+    return torch.tensor(results)
+
+
+@pytest.mark.parametrize("metric", ["cosine", "euclidean"])
+@pytest.mark.parametrize("chunk_size", [1, 7, 64])
+def test_matches_brute_force(metric, chunk_size):
+    generator = torch.Generator().manual_seed(0)
+    query, reference = torch.randn(40, 8, generator=generator), torch.randn(50, 8, generator=generator)
+    scores, indices = knn(query, reference, 5, metric=metric, chunk_size=chunk_size)
+    assert torch.equal(indices, brute_force(query, reference, 5, metric))
+    if metric == "cosine":
+        expected = torch.nn.functional.cosine_similarity(query[:, None], reference[indices], dim=2)
+    else:
+        expected = (query[:, None] - reference[indices]).norm(dim=2)
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_exclude_self_with_an_offset():
+    reference = torch.randn(30, 4, generator=torch.Generator().manual_seed(1))
+    _, indices = knn(reference[10:20], reference, 3, exclude_self=True, query_offset=10, chunk_size=4)
+    assert torch.equal(indices, brute_force(reference[10:20], reference, 3, "cosine", exclude_self=True, offset=10))
+    assert not (indices == torch.arange(10, 20)[:, None]).any()
+
+
+def test_ties_go_to_the_lower_index():
+    reference = torch.tensor([[1.0, 0.0]] * 3 + [[0.0, 1.0]] * 3)
+    query = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    _, indices = knn(query, reference, 4, chunk_size=2)
+    assert indices.tolist() == [[0, 1, 2, 3], [3, 4, 5, 0], [0, 1, 2, 3]]
+    _, indices = knn(reference, reference, 2, exclude_self=True)
+    assert indices.tolist() == [[1, 2], [0, 2], [0, 1], [4, 5], [3, 5], [3, 4]]
+    _, euclidean = knn(query, reference, 4, metric="euclidean")
+    assert torch.equal(euclidean, brute_force(query, reference, 4, "euclidean"))
+
+
+def test_memory_stays_a_chunk_of_scores():
+    generator = torch.Generator().manual_seed(2)
+    reference = torch.randn(2000, 16, generator=generator)
+    full = 2000 * 2000 * 4
+    tracker = MemoryTracker()
+    with tracker:
+        scores, indices = knn(reference, reference, 10, chunk_size=100, exclude_self=True)
+    outputs = scores.numel() * 4 + indices.numel() * 8
+    extra = tracker.peak.total_bytes - outputs
+    assert extra <= 5 * 100 * 2000 + 12 * 100 * 10 + 2000 * 4 + 100 * 16 * 4 * 2 + 2 * outputs  # a chunk + norms
+    assert extra < full / 10
+
+
+def test_max_memory_derives_the_chunk():
+    reference = torch.randn(1000, 8, generator=torch.Generator().manual_seed(3))
+    budget = 400_000
+    tracker = MemoryTracker()
+    with tracker:
+        scores, indices = knn(reference, reference, 5, max_memory=budget)
+    chunk = chunk_rows(1000, 5, budget)
+    assert chunk == 79
+    assert tracker.peak.total_bytes <= budget + scores.numel() * 12 * 2 + 1000 * 4 + chunk * 8 * 4 * 2
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"k": 0}, r"`k`=0 must be an int in \[1, 5\]"),
+        ({"k": 5, "exclude_self": True}, r"`k`=5 must be an int in \[1, 4\]"),
+        ({"metric": "dot"}, "Unknown `metric`='dot'; valid choices: cosine, euclidean"),
+        ({"backend": "annoy"}, "Unknown `backend`='annoy'; valid choices: torch, faiss"),
+        ({"chunk_size": 0}, "`chunk_size`=0 must be an int ≥ 1"),
+        ({"max_memory": 0}, "`max_memory`=0 must be a positive number of bytes"),
+        ({"exclude_self": True, "query_offset": 3}, "queries 3…7 are not all in the 5 references"),
+    ],
+)
+def test_bad_input(arguments, message):
+    arguments = {"k": 2, **arguments}
+    with pytest.raises(ValueError, match=message):
+        knn(torch.randn(5, 3), torch.randn(5, 3), **arguments)
+    with pytest.raises(ValueError, match=r"\[5, 3\] and `reference` \[5, 4\]"):
+        knn(torch.randn(5, 3), torch.randn(5, 4), 2)
+
+
+def test_faiss_gives_the_same_neighbours():
+    pytest.importorskip("faiss")
+    generator = torch.Generator().manual_seed(4)
+    reference = torch.randn(200, 32, generator=generator)
+    for metric in ("cosine", "euclidean"):
+        ours = knn(reference, reference, 5, metric=metric, exclude_self=True)
+        theirs = knn(reference, reference, 5, metric=metric, exclude_self=True, backend="faiss")
+        assert torch.equal(ours[1], theirs[1])
+        torch.testing.assert_close(ours[0], theirs[0], rtol=1e-4, atol=1e-4)
