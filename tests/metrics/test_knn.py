@@ -75,7 +75,7 @@ def test_max_memory_derives_the_chunk():
     with tracker:
         scores, indices = knn(reference, reference, 5, max_memory=budget)
     chunk = chunk_rows(1000, 5, budget)
-    assert chunk == 79
+    assert chunk == 93
     assert tracker.peak.total_bytes <= budget + scores.numel() * 12 * 2 + 1000 * 4 + chunk * 8 * 4 * 2
 
 

@@ -6,20 +6,21 @@ import torch
 
 METRICS = ("cosine", "euclidean")
 BACKENDS = ("torch", "faiss")
+DEFAULT_MEMORY = 2**30  # bytes of scores per chunk when neither a chunk nor a budget is given
 _EPS = 1e-12
 
 
 def chunk_rows(num_references: int, k: int, max_memory: int) -> int:
-    """Query rows per chunk so that a chunk's scores, a comparison mask and top-k fit in ``max_memory`` bytes.
+    """Query rows per chunk so that a chunk's scores and top-k fit in ``max_memory`` bytes.
 
     Example::
 
-        >>> chunk_rows(num_references=100_000, k=10, max_memory=2**30)  # 1 GiB: 2146 queries at a time
-        2146
+        >>> chunk_rows(num_references=100_000, k=10, max_memory=2**30)  # 1 GiB: 2680 queries at a time
+        2680
     """
     if max_memory <= 0:
         raise ValueError(f"`max_memory`={max_memory!r} must be a positive number of bytes")
-    per_row = 5 * num_references + 12 * k  # fp32 scores and a bool mask; fp32 values + int64 indices of the top k
+    per_row = 4 * num_references + 48 * (k + 1)  # fp32 scores; the top k + 1 (values, indices) while sorted
     return max(1, int(max_memory) // per_row)
 
 
@@ -38,7 +39,7 @@ def knn(
 
     The extra memory at any time is one chunk's score matrix (``chunk × N_ref`` fp32) plus the
     reference norms, never ``N_query × N_ref``. ``chunk_size`` sets the chunk; ``max_memory``
-    (bytes) derives it; neither: 1024 queries. Ties go to the lower reference index, so results
+    (bytes) derives it; neither: a 1 GiB budget. Ties go to the lower reference index, so results
     are deterministic.
 
     Args:
@@ -88,7 +89,7 @@ def knn(
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"`chunk_size`={chunk_size!r} must be an int ≥ 1")
     if chunk_size is None:
-        chunk_size = chunk_rows(reference.shape[0], k, max_memory) if max_memory is not None else 1024
+        chunk_size = chunk_rows(reference.shape[0], k, DEFAULT_MEMORY if max_memory is None else max_memory)
     elif max_memory is not None:
         chunk_size = min(chunk_size, chunk_rows(reference.shape[0], k, max_memory))
     if backend == "faiss":
@@ -121,14 +122,14 @@ def _similarity(chunk: torch.Tensor, reference: torch.Tensor, reference_sq: torc
 
 def _top_k(similarity: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top ``k`` per row, largest first, ties to the lower index (``torch.topk`` leaves them open)."""
-    values, indices = similarity.topk(k, dim=1)
-    threshold = values[:, -1:]
-    above = (similarity > threshold).sum(dim=1)
-    tied = (similarity == threshold).sum(dim=1)
-    for row in torch.nonzero(above + tied > k).flatten().tolist():  # ties cross the k-th place: pick by index
-        candidates = torch.nonzero(similarity[row] >= threshold[row]).flatten()  # ascending indices
-        order = torch.sort(similarity[row, candidates], descending=True, stable=True).indices[:k]
-        values[row], indices[row] = similarity[row, candidates[order]], candidates[order]
+    extra = 1 if k < similarity.shape[1] else 0
+    values, indices = similarity.topk(k + extra, dim=1)
+    if extra:  # a (k+1)-th value equal to the k-th: a tie crosses the k-th place, settle it by index
+        for row in torch.nonzero(values[:, k] == values[:, k - 1]).flatten().tolist():
+            candidates = torch.nonzero(similarity[row] >= values[row, k - 1]).flatten()  # ascending indices
+            order = torch.sort(similarity[row, candidates], descending=True, stable=True).indices[:k]
+            values[row, :k], indices[row, :k] = similarity[row, candidates[order]], candidates[order]
+        values, indices = values[:, :k], indices[:, :k]
     # within the k, equal values in index order: sort by index, then stably by value
     by_index = indices.argsort(dim=1)
     values, indices = values.gather(1, by_index), indices.gather(1, by_index)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_memopt.metrics.functional.knn import chunk_rows, knn
+from lightning_memopt.metrics.functional.knn import DEFAULT_MEMORY, chunk_rows, knn
 
 RETRIEVAL_METRICS = ("precision_at_1", "r_precision", "mean_average_precision_at_r")
 
@@ -45,9 +45,8 @@ def retrieval_sums(
     found = classes[position] == query_labels
     relevant = torch.where(found, counts[position], 0) - (1 if same_set else 0)  # R per query
     if chunk_size is None:
-        chunk_size = (
-            chunk_rows(reference.shape[0], int(relevant.max().clamp_min(1)), max_memory) if max_memory else 1024
-        )
+        budget = DEFAULT_MEMORY if max_memory is None else max_memory
+        chunk_size = chunk_rows(reference.shape[0], int(relevant.max().clamp_min(1)), budget)
     for start in range(0, query.shape[0], chunk_size):
         r = relevant[start : start + chunk_size]
         keep = r > 0
