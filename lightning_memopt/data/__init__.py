@@ -12,6 +12,7 @@ from lightning_memopt.data.synthetic_face import SyntheticFaceDataModule
 from lightning_memopt.data.synthetic_normals import SyntheticNormalsDataModule
 from lightning_memopt.data.synthetic_tracking import SyntheticTrackingDataModule
 from lightning_memopt.data.tracking_npz import TrackingNpzDataModule
+from lightning_memopt.data.verification_pairs import PairDataset, verification_pairs
 
 __all__ = [
     "FaceAugmentation",
@@ -20,11 +21,13 @@ __all__ = [
     "LoaderDataModule",
     "MemmapFaceDataModule",
     "NormalsFolderDataModule",
+    "PairDataset",
     "SyntheticFaceDataModule",
     "SyntheticNormalsDataModule",
     "SyntheticTrackingDataModule",
     "TrackingNpzDataModule",
     "pack_image_folder",
+    "verification_pairs",
 ]
 
 

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_memopt.data.face_datamodule import FaceDataModule
+from lightning_memopt.data.verification_pairs import PairDataset, verification_pairs
 
 _PATTERN_SIZE = 8  # each identity is a random 3 x 8 x 8 pattern, upsampled to the image size
 _MAX_SHIFT_FRACTION = 1 / 16  # translation of a sample, as a fraction of the image size
@@ -101,6 +102,9 @@ class SyntheticFaceDataModule(FaceDataModule):
         val_samples_per_class: validation samples per identity, at least 0 (0: no validation).
         image_size: height and width, at least 16 and divisible by 16 (IResNet downsamples 16×).
         seed: seed of the data; the same seed gives the same images.
+        verification_pairs: also give a second validation loader of ``(image_a, image_b, same)``
+            pairs over the validation samples (:func:`~lightning_memopt.data.verification_pairs`),
+            for face-verification metrics; needs at least 2 validation samples per identity.
         **kwargs: loader arguments of ``FaceDataModule`` (``batch_size``, ``augmentation`` …).
 
     Raises:
@@ -122,6 +126,7 @@ class SyntheticFaceDataModule(FaceDataModule):
         val_samples_per_class: int = 2,
         image_size: int = 112,
         seed: int = 0,
+        verification_pairs: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -138,6 +143,7 @@ class SyntheticFaceDataModule(FaceDataModule):
         self.val_samples_per_class = val_samples_per_class
         self.image_size = image_size
         self.seed = seed
+        self.verification_pairs = verification_pairs
 
     def _build_datasets(self) -> tuple[Dataset, Dataset | None]:
         train = SyntheticFaceDataset(self.num_classes, self.samples_per_class, self.image_size, self.seed)
@@ -151,3 +157,15 @@ class SyntheticFaceDataModule(FaceDataModule):
             first_sample=self.samples_per_class,
         )
         return train, val
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation batches; with ``verification_pairs``, ``[samples, pairs]`` (pairs when there are any)."""
+        samples = super().val_dataloader()
+        if not self.verification_pairs or not samples:
+            return samples
+        labels = [index // self.val_samples_per_class for index in range(len(self.val_dataset))]  # type: ignore[arg-type]
+        pairs = verification_pairs(labels)
+        if not pairs:
+            return samples
+        pair_set = PairDataset(self.val_dataset, pairs)  # type: ignore[arg-type]
+        return [samples, DataLoader(pair_set, batch_size=self.val_batch_size, shuffle=False, **self.loader_options)]

@@ -7,11 +7,13 @@ from typing import Any, cast
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_memopt.losses import CombinedMarginLoss, PartialFC
+from lightning_memopt.metrics import FaceVerification, KNNRetrieval
 from lightning_memopt.models import create_model
 from lightning_memopt.tasks.lr_schedule import clip_sharded_root, step_scheduler, warmup_decay
 
@@ -22,7 +24,12 @@ class FaceRecognitionModule(LightningModule):
     """Train a face-embedding backbone with ArcFace / CosFace / SphereFace margins and Partial FC.
 
     Batches are ``(images, labels)``. The margin head and the loss run in fp32 under mixed
-    precision. Logs ``train/loss``, ``train/acc`` and, with validation data, ``val/loss``, ``val/acc``.
+    precision. Logs ``train/loss``, ``train/acc`` and, with validation data, ``val/loss``, ``val/acc``
+    and, at the end of each validation, retrieval over the validation embeddings
+    (``val/precision_at_1``, ``val/r_precision``, ``val/mean_average_precision_at_r``; exact kNN in
+    bounded memory, :class:`~lightning_memopt.metrics.KNNRetrieval`). A second validation loader
+    of ``(image_a, image_b, same)`` pairs adds verification (``val/accuracy``, ``val/threshold``,
+    ``val/tar@far=0.0001``, ``val/tar@far=0.001``; :class:`~lightning_memopt.metrics.FaceVerification`).
 
     Args:
         num_classes: number of identities in the training set.
@@ -85,6 +92,8 @@ class FaceRecognitionModule(LightningModule):
             sample_rate=sample_rate,
             margin_loss=CombinedMarginLoss(margin_list, scale),
         )
+        self.val_retrieval = KNNRetrieval()  # exact, chunked; each rank keeps its own validation shard
+        self.val_verification = FaceVerification()  # 10-fold accuracy, TAR at FAR 1e-4 and 1e-3
 
     @override
     def forward(self, images: Tensor) -> Tensor:
@@ -93,10 +102,15 @@ class FaceRecognitionModule(LightningModule):
 
     def loss_and_accuracy(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """Margin-softmax loss and top-1 accuracy over the classes the head scored."""
-        images, labels = batch
-        loss, cosine, target = self.head(self.backbone(images), labels)
-        accuracy = (cosine.argmax(dim=1) == target).float().mean()
+        loss, accuracy, _ = self._loss_accuracy_embeddings(batch)
         return loss, accuracy
+
+    def _loss_accuracy_embeddings(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        images, labels = batch
+        embeddings = self.backbone(images)
+        loss, cosine, target = self.head(embeddings, labels)
+        accuracy = (cosine.argmax(dim=1) == target).float().mean()
+        return loss, accuracy, embeddings
 
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -106,10 +120,37 @@ class FaceRecognitionModule(LightningModule):
         return loss
 
     @override
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        loss, accuracy = self.loss_and_accuracy(batch)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val/acc", accuracy, sync_dist=True)
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if dataloader_idx == 1:  # (image_a, image_b, same) pairs, when the datamodule gives them
+            first, second, same = batch
+            self.val_verification.update(self.backbone(first), self.backbone(second), same)
+            return
+        loss, accuracy, embeddings = self._loss_accuracy_embeddings(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, add_dataloader_idx=False)
+        self.log("val/acc", accuracy, sync_dist=True, add_dataloader_idx=False)
+        self.val_retrieval.update(embeddings, batch[1])
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        """Log retrieval (precision@1, R-precision, MAP@R) and verification (accuracy, TAR@FAR) over the epoch."""
+        values: dict[str, float] = {}
+        if not self.trainer.sanity_checking:
+            if self.val_retrieval.update_called:
+                values.update(self._computed(self.val_retrieval, "retrieval"))
+            if self.val_verification.update_called:
+                values.update(self._computed(self.val_verification, "verification"))
+        for metric in (self.val_retrieval, self.val_verification):
+            metric.reset()
+        if values:
+            # every rank holds the same values: the metrics gathered or all-reduced what they needed
+            self.log_dict({f"val/{name}": value for name, value in values.items()}, add_dataloader_idx=False)
+
+    def _computed(self, metric: Any, kind: str) -> dict[str, float]:
+        try:
+            return dict(metric.compute())
+        except ValueError as error:  # e.g. one validation sample per identity: no retrieval target
+            rank_zero_warn(f"FaceRecognitionModule: no {kind} metrics this epoch: {error}")
+            return {}
 
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:

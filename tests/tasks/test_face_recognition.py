@@ -155,3 +155,37 @@ def test_bf16_mixed_keeps_the_loss_in_fp32(tmp_path):
 def test_bad_optimisation_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         _module(**kwargs)
+
+
+def test_validation_logs_retrieval_and_verification_exactly(tmp_path):
+    from lightning_memopt.data import SyntheticFaceDataModule
+    from lightning_memopt.metrics.functional import retrieval_metrics, tar_at_far, verification_accuracy
+
+    data = SyntheticFaceDataModule(
+        num_classes=6, samples_per_class=2, val_samples_per_class=3, image_size=32, batch_size=4,
+        verification_pairs=True,
+    )  # fmt: skip
+    module = _module(num_classes=6)
+    trainer = _trainer(tmp_path, max_steps=2, val_check_interval=2, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=data)
+    metrics = trainer.callback_metrics
+    module.eval()
+    with torch.no_grad():
+        images, labels = next(iter(DataLoader(data.val_dataset, batch_size=100)))
+        embeddings = module(images)
+        first, second, same = next(iter(DataLoader(data.val_dataloader()[1].dataset, batch_size=100)))
+        scores = torch.nn.functional.cosine_similarity(module(first), module(second))
+    expected = retrieval_metrics(embeddings, labels)
+    for name, value in expected.items():
+        assert float(metrics[f"val/{name}"]) == pytest.approx(value, abs=1e-6)
+    assert float(metrics["val/accuracy"]) == pytest.approx(verification_accuracy(scores, same)[0], abs=1e-6)
+    assert float(metrics["val/tar@far=0.001"]) == pytest.approx(tar_at_far(scores, same, 1e-3), abs=1e-6)
+    assert {"val/loss", "val/acc", "val/threshold", "val/tar@far=0.0001"} <= set(metrics)
+
+
+def test_one_validation_sample_per_identity_warns_instead_of_retrieval(tmp_path):
+    data = DataLoader(_clustered_faces(per_class=1), batch_size=4)
+    trainer = _trainer(tmp_path, max_steps=1, val_check_interval=1, num_sanity_val_steps=0)
+    with pytest.warns(UserWarning, match="no retrieval metrics this epoch: no query has another reference"):
+        trainer.fit(_module(), data, data)
+    assert "val/precision_at_1" not in trainer.callback_metrics

@@ -1,0 +1,50 @@
+"""Verification pairs over a labelled set: same-identity and different-identity pairs of its samples."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+
+def verification_pairs(labels: Sequence[int]) -> list[tuple[int, int, bool]]:
+    """Pairs ``(i, j, same)`` of sample indices: as many different-identity pairs as same-identity ones.
+
+    Same: consecutive samples of each identity. Different: the first samples of consecutive
+    identities, cycling, until there are as many as same pairs (or every identity is used).
+    The two kinds alternate, as in LFW's folds, so contiguous folds hold both.
+
+    Example::
+
+        >>> verification_pairs([0, 0, 1, 1, 2])
+        [(0, 1, True), (0, 2, False), (2, 3, True), (2, 4, False)]
+    """
+    by_label: dict[int, list[int]] = defaultdict(list)
+    for index, label in enumerate(labels):
+        by_label[int(label)].append(index)
+    same = [(a, b, True) for members in by_label.values() for a, b in zip(members, members[1:], strict=False)]
+    firsts = [members[0] for members in by_label.values()]
+    neighbours = len(firsts) if len(firsts) > 2 else len(firsts) - 1  # a ring of three or more, else one pair
+    different = [(firsts[i], firsts[(i + 1) % len(firsts)], False) for i in range(max(neighbours, 0))][: len(same)]
+    pairs: list[tuple[int, int, bool]] = []
+    for index in range(max(len(same), len(different))):
+        pairs += [same[index]] if index < len(same) else []
+        pairs += [different[index]] if index < len(different) else []
+    return pairs
+
+
+class PairDataset(Dataset):
+    """``(image_a, image_b, same)`` for each pair of :func:`verification_pairs` over ``dataset``."""
+
+    def __init__(self, dataset: Dataset, pairs: Sequence[tuple[int, int, bool]]) -> None:
+        self.dataset, self.pairs = dataset, list(pairs)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, Tensor]:
+        first, second, same = self.pairs[index]
+        return self.dataset[first][0], self.dataset[second][0], torch.tensor(same)
