@@ -28,8 +28,8 @@ class FaceRecognitionModule(LightningModule):
     and, at the end of each validation, retrieval over the validation embeddings
     (``val/precision_at_1``, ``val/r_precision``, ``val/mean_average_precision_at_r``; exact kNN in
     bounded memory, :class:`~lightning_memopt.metrics.KNNRetrieval`). A second validation loader
-    of ``(image_a, image_b, same)`` pairs adds verification (``val/accuracy``, ``val/threshold``,
-    ``val/tar@far=0.0001``, ``val/tar@far=0.001``; :class:`~lightning_memopt.metrics.FaceVerification`).
+    of ``(image_a, image_b, same)`` pairs adds verification (``val/verification_accuracy``,
+    ``…_threshold``, ``…_tar@far=0.0001``, ``…_tar@far=0.001``; :class:`~lightning_memopt.metrics.FaceVerification`).
 
     Args:
         num_classes: number of identities in the training set.
@@ -138,7 +138,8 @@ class FaceRecognitionModule(LightningModule):
             if self.val_retrieval.update_called:
                 values.update(self._computed(self.val_retrieval, "retrieval"))
             if self.val_verification.update_called:
-                values.update(self._computed(self.val_verification, "verification"))
+                computed = self._computed(self.val_verification, "verification")
+                values.update({f"verification_{name}": value for name, value in computed.items()})
         for metric in (self.val_retrieval, self.val_verification):
             metric.reset()
         if values:

@@ -178,9 +178,11 @@ def test_validation_logs_retrieval_and_verification_exactly(tmp_path):
     expected = retrieval_metrics(embeddings, labels)
     for name, value in expected.items():
         assert float(metrics[f"val/{name}"]) == pytest.approx(value, abs=1e-6)
-    assert float(metrics["val/accuracy"]) == pytest.approx(verification_accuracy(scores, same)[0], abs=1e-6)
-    assert float(metrics["val/tar@far=0.001"]) == pytest.approx(tar_at_far(scores, same, 1e-3), abs=1e-6)
-    assert {"val/loss", "val/acc", "val/threshold", "val/tar@far=0.0001"} <= set(metrics)
+    assert float(metrics["val/verification_accuracy"]) == pytest.approx(
+        verification_accuracy(scores, same)[0], abs=1e-6
+    )
+    assert float(metrics["val/verification_tar@far=0.001"]) == pytest.approx(tar_at_far(scores, same, 1e-3), abs=1e-6)
+    assert {"val/loss", "val/acc", "val/verification_threshold", "val/verification_tar@far=0.0001"} <= set(metrics)
 
 
 def test_one_validation_sample_per_identity_warns_instead_of_retrieval(tmp_path):
