@@ -11,11 +11,12 @@ from torch.utils.data import Dataset
 
 
 def verification_pairs(labels: Sequence[int]) -> list[tuple[int, int, bool]]:
-    """Pairs ``(i, j, same)`` of sample indices: as many different-identity pairs as same-identity ones.
+    """Pairs ``(i, j, same)`` of sample indices, same-identity and different-identity alternating.
 
     Same: consecutive samples of each identity. Different: the first samples of consecutive
-    identities, cycling, until there are as many as same pairs (or every identity is used).
-    The two kinds alternate, as in LFW's folds, so contiguous folds hold both.
+    identities, in a ring, at most one per identity and at most as many as same pairs. The two
+    kinds alternate from the start, as in LFW's folds; with more than two samples per identity the
+    same pairs outnumber the different ones, and the tail holds same pairs only.
 
     Example::
 

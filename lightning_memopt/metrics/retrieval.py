@@ -60,8 +60,12 @@ class KNNRetrieval(Metric):
         backend: str = "torch",
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("sync_on_compute", False)  # compute gathers the references itself, never the queries
-        super().__init__(**kwargs)
+        if kwargs.get("sync_on_compute") or kwargs.get("dist_sync_on_step"):
+            raise ValueError(
+                "KNNRetrieval synchronises in compute itself (references gathered, queries kept per rank): "
+                "leave `sync_on_compute` and `dist_sync_on_step` unset"
+            )
+        super().__init__(**{**kwargs, "sync_on_compute": False})
         if metric not in METRICS:
             raise ValueError(f"Unknown `metric`={metric!r}; valid choices: {', '.join(METRICS)}")
         if backend not in BACKENDS:
@@ -83,7 +87,7 @@ class KNNRetrieval(Metric):
             raise ValueError(
                 f"`embeddings` {list(embeddings.shape)} and `labels` {list(labels.shape)} must be [B, D] and [B]"
             )
-        embeddings, labels = embeddings.detach(), labels.detach()
+        embeddings, labels = embeddings.detach().float(), labels.detach()  # fp32 scores, also after bf16 steps
         if self.embeddings_on_cpu:
             embeddings, labels = embeddings.cpu(), labels.cpu()
         prefix = "reference" if reference else "query"

@@ -26,7 +26,7 @@ class FaceVerification(Metric):
     - ``accuracy``: the mean over ``folds`` contiguous folds, each tested at the threshold that is
       best on the other folds.
     - ``threshold``: the mean of those thresholds.
-    - ``tar@far=…``: one entry for each of ``far_targets``.
+    - ``tar_at_far_…``: one entry for each of ``far_targets`` (``tar_at_far_0.001``).
 
     Raises:
         ValueError: for ``folds`` < 2, FARs outside (0, 1], mismatched shapes, or compute without pairs.
@@ -86,5 +86,5 @@ class FaceVerification(Metric):
         accuracy, threshold = verification_accuracy(scores, same, self.folds)
         result = {"accuracy": accuracy, "threshold": threshold}
         for far in self.far_targets:
-            result[f"tar@far={far:g}"] = tar_at_far(scores, same, far)
+            result[f"tar_at_far_{far:g}"] = tar_at_far(scores, same, far)
         return result

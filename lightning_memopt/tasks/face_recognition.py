@@ -29,7 +29,8 @@ class FaceRecognitionModule(LightningModule):
     (``val/precision_at_1``, ``val/r_precision``, ``val/mean_average_precision_at_r``; exact kNN in
     bounded memory, :class:`~lightning_memopt.metrics.KNNRetrieval`). A second validation loader
     of ``(image_a, image_b, same)`` pairs adds verification (``val/verification_accuracy``,
-    ``…_threshold``, ``…_tar@far=0.0001``, ``…_tar@far=0.001``; :class:`~lightning_memopt.metrics.FaceVerification`).
+    ``…_threshold``, ``…_tar_at_far_0.0001``, ``…_tar_at_far_0.001``;
+    :class:`~lightning_memopt.metrics.FaceVerification`).
 
     Args:
         num_classes: number of identities in the training set.

@@ -108,3 +108,30 @@ def test_faiss_gives_the_same_neighbours():
         theirs = knn(reference, reference, 5, metric=metric, exclude_self=True, backend="faiss")
         assert torch.equal(ours[1], theirs[1])
         torch.testing.assert_close(ours[0], theirs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_empty_queries_and_half_precision_embeddings():
+    reference = torch.randn(20, 8, generator=torch.Generator().manual_seed(5))
+    scores, indices = knn(reference[:0], reference, 3)
+    assert scores.shape == indices.shape == (0, 3)
+    half_scores, half_indices = knn(reference.bfloat16(), reference.bfloat16(), 3, exclude_self=True)
+    assert half_scores.dtype == torch.float32  # scored in fp32
+    assert torch.equal(
+        half_indices, knn(reference.bfloat16().float(), reference.bfloat16().float(), 3, exclude_self=True)[1]
+    )
+    with pytest.raises(ValueError, match="`query_offset`=-1 must be ≥ 0"):
+        knn(reference, reference, 2, query_offset=-1)
+
+
+@pytest.mark.cuda
+def test_retrieval_on_cuda_matches_the_cpu():
+    from lightning_memopt.metrics import KNNRetrieval
+
+    generator = torch.Generator().manual_seed(6)
+    embeddings, labels = torch.randn(300, 16, generator=generator), torch.randint(0, 10, (300,), generator=generator)
+    values = []
+    for device in ("cpu", "cuda"):
+        metric = KNNRetrieval().to(device)
+        metric.update(embeddings.to(device), labels.to(device))
+        values.append(metric.compute())
+    assert values[1] == pytest.approx(values[0], abs=1e-9)

@@ -146,3 +146,15 @@ def test_two_ranks_give_the_single_process_result(tmp_path):
             retrieval_metrics(embeddings[:101], labels[:101], embeddings[101:], labels[101:]), abs=1e-12
         )
         assert rank["verification"] == ranks[0]["verification"]
+
+
+def test_a_budget_caps_a_given_chunk_and_sync_options_are_refused():
+    embeddings, labels = clustered(samples=1000, classes=20, dim=16)
+    metric = KNNRetrieval(chunk_size=1000, max_memory=200_000)
+    metric.update(embeddings, labels)
+    tracker = MemoryTracker()
+    with tracker:
+        metric.compute()
+    assert tracker.peak.total_bytes < 200_000 + 1000 * 16 * 4 * 2 + 1000 * 8 * 4  # not 1000 × 1000 × 4
+    with pytest.raises(ValueError, match="leave `sync_on_compute` and `dist_sync_on_step` unset"):
+        KNNRetrieval(sync_on_compute=True)

@@ -62,8 +62,8 @@ def test_the_metric_from_embeddings_or_labels():
     result = metric.compute()
     scores = torch.nn.functional.cosine_similarity(first, second)
     assert result["accuracy"] == pytest.approx(verification_accuracy(scores, same)[0])
-    assert result["tar@far=0.01"] == pytest.approx(tar_at_far(scores, same, 1e-2))
-    assert set(result) == {"accuracy", "threshold", "tar@far=0.01", "tar@far=0.1"}
+    assert result["tar_at_far_0.01"] == pytest.approx(tar_at_far(scores, same, 1e-2))
+    assert set(result) == {"accuracy", "threshold", "tar_at_far_0.01", "tar_at_far_0.1"}
     by_labels = FaceVerification(far_targets=(1e-1,))
     labels = torch.arange(300)
     by_labels.update(first, second, first_labels=labels, second_labels=torch.where(same, labels, labels + 1000))

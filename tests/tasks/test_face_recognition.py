@@ -181,8 +181,10 @@ def test_validation_logs_retrieval_and_verification_exactly(tmp_path):
     assert float(metrics["val/verification_accuracy"]) == pytest.approx(
         verification_accuracy(scores, same)[0], abs=1e-6
     )
-    assert float(metrics["val/verification_tar@far=0.001"]) == pytest.approx(tar_at_far(scores, same, 1e-3), abs=1e-6)
-    assert {"val/loss", "val/acc", "val/verification_threshold", "val/verification_tar@far=0.0001"} <= set(metrics)
+    assert float(metrics["val/verification_tar_at_far_0.001"]) == pytest.approx(
+        tar_at_far(scores, same, 1e-3), abs=1e-6
+    )
+    assert {"val/loss", "val/acc", "val/verification_threshold", "val/verification_tar_at_far_0.0001"} <= set(metrics)
 
 
 def test_one_validation_sample_per_identity_warns_instead_of_retrieval(tmp_path):

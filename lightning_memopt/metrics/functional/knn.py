@@ -81,6 +81,10 @@ def knn(
     available = reference.shape[0] - (1 if exclude_self else 0)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= available:
         raise ValueError(f"`k`={k!r} must be an int in [1, {available}] ({reference.shape[0]} references)")
+    if query_offset < 0:
+        raise ValueError(f"`query_offset`={query_offset!r} must be ≥ 0")
+    if query.shape[0] == 0:
+        return query.new_zeros(0, k), torch.zeros(0, k, dtype=torch.long, device=query.device)
     if exclude_self and query_offset + query.shape[0] > reference.shape[0]:
         raise ValueError(
             f"`exclude_self` with `query_offset`={query_offset}: queries {query_offset}…"
@@ -94,6 +98,7 @@ def knn(
         chunk_size = min(chunk_size, chunk_rows(reference.shape[0], k, max_memory))
     if backend == "faiss":
         return _faiss_knn(query, reference, k, metric, exclude_self, query_offset)
+    query, reference = query.float(), reference.float()  # fp32 scores, whatever the embeddings' dtype
     reference_sq = reference.pow(2).sum(dim=1)
     if metric == "cosine":
         reference_sq = reference_sq.sqrt_().clamp_min_(_EPS)  # the norms, divided out of the dot products

@@ -41,12 +41,15 @@ def retrieval_sums(
     if query.shape[0] == 0 or reference.shape[0] == 0:
         return sums
     classes, counts = torch.unique(reference_labels, return_counts=True)
+    query_labels = query_labels.to(reference_labels.dtype)
     position = torch.searchsorted(classes, query_labels).clamp_max(classes.numel() - 1)
     found = classes[position] == query_labels
     relevant = torch.where(found, counts[position], 0) - (1 if same_set else 0)  # R per query
-    if chunk_size is None:
+    largest_r = int(relevant.max().clamp_min(1))
+    if chunk_size is None or max_memory is not None:  # a budget caps a given chunk too
         budget = DEFAULT_MEMORY if max_memory is None else max_memory
-        chunk_size = chunk_rows(reference.shape[0], int(relevant.max().clamp_min(1)), budget)
+        derived = chunk_rows(reference.shape[0], largest_r, budget)
+        chunk_size = derived if chunk_size is None else min(chunk_size, derived)
     for start in range(0, query.shape[0], chunk_size):
         r = relevant[start : start + chunk_size]
         keep = r > 0
@@ -79,7 +82,7 @@ def _chunk_sums(hits: torch.Tensor, relevant: torch.Tensor) -> torch.Tensor:
     precision_at_i = hits.cumsum(dim=1).double() / rank[None, :].double()
     average_precision = (precision_at_i * hits).sum(dim=1) / relevant.double()
     return torch.stack(
-        [precision_at_1.sum(), r_precision.sum(), average_precision.sum(), torch.tensor(float(hits.shape[0]))]
+        [precision_at_1.sum(), r_precision.sum(), average_precision.sum(), precision_at_1.new_tensor(hits.shape[0])]
     ).cpu()
 
 
