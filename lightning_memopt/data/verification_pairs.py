@@ -38,7 +38,10 @@ def verification_pairs(labels: Sequence[int]) -> list[tuple[int, int, bool]]:
 
 
 class PairDataset(Dataset):
-    """``(image_a, image_b, same)`` for each pair of :func:`verification_pairs` over ``dataset``."""
+    """``(image_a, image_b, same, pair_index)`` for each pair of :func:`verification_pairs` over ``dataset``.
+
+    The index lets a metric restore the list order (and drop repeats) after a distributed sampler.
+    """
 
     def __init__(self, dataset: Dataset, pairs: Sequence[tuple[int, int, bool]]) -> None:
         self.dataset, self.pairs = dataset, list(pairs)
@@ -46,6 +49,6 @@ class PairDataset(Dataset):
     def __len__(self) -> int:
         return len(self.pairs)
 
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, Tensor]:
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         first, second, same = self.pairs[index]
-        return self.dataset[first][0], self.dataset[second][0], torch.tensor(same)
+        return self.dataset[first][0], self.dataset[second][0], torch.tensor(same), torch.tensor(index)

@@ -46,6 +46,7 @@ class FaceVerification(Metric):
     full_state_update = False
     scores: list[torch.Tensor]
     same: list[torch.Tensor]
+    indices: list[torch.Tensor]
 
     def __init__(self, folds: int = 10, far_targets: Sequence[float] = (1e-4, 1e-3), **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -57,6 +58,7 @@ class FaceVerification(Metric):
         self.folds, self.far_targets = folds, tuple(far_targets)
         self.add_state("scores", default=[], dist_reduce_fx="cat")
         self.add_state("same", default=[], dist_reduce_fx="cat")
+        self.add_state("indices", default=[], dist_reduce_fx="cat")
 
     def update(
         self,
@@ -65,8 +67,14 @@ class FaceVerification(Metric):
         same: torch.Tensor | None = None,
         first_labels: torch.Tensor | None = None,
         second_labels: torch.Tensor | None = None,
+        pair_indices: torch.Tensor | None = None,
     ) -> None:
-        """Add the pairs ``(first[i], second[i])``; ``same`` or both label tensors say which match."""
+        """Add the pairs ``(first[i], second[i])``; ``same`` or both label tensors say which match.
+
+        ``pair_indices`` (the pairs' positions in the pair list) put the pairs back in list order at
+        compute and count each once. Under DDP a sampler deals the pairs out to ranks (and may pad
+        with repeats), and the folds are only the single-device ones in list order.
+        """
         if first.dim() != 2 or first.shape != second.shape:
             raise ValueError(f"`first` {list(first.shape)} and `second` {list(second.shape)} must both be [B, D]")
         if same is None:
@@ -78,13 +86,38 @@ class FaceVerification(Metric):
         scores = F.cosine_similarity(first.detach().float(), second.detach().float(), dim=1)
         self.scores.append(scores)
         self.same.append(same.detach().bool())
+        if pair_indices is not None:
+            if pair_indices.shape != (first.shape[0],):
+                raise ValueError(
+                    f"`pair_indices` {list(pair_indices.shape)} must hold one index per pair ({first.shape[0]})"
+                )
+            self.indices.append(pair_indices.detach().long())
 
     def compute(self) -> dict[str, float]:
         if isinstance(self.scores, list) and not self.scores:  # (after a DDP sync: one gathered tensor)
             raise ValueError("FaceVerification.compute() before any update: there are no pairs")
         scores, same = dim_zero_cat(self.scores).cpu(), dim_zero_cat(self.same).cpu()
+        indices = dim_zero_cat(self.indices) if not isinstance(self.indices, list) or self.indices else None
+        if indices is not None and indices.numel():  # (none given: an empty list, or an empty tensor after a sync)
+            scores, same = _in_list_order(indices.cpu(), scores, same)
         accuracy, threshold = verification_accuracy(scores, same, self.folds)
         result = {"accuracy": accuracy, "threshold": threshold}
         for far in self.far_targets:
             result[f"tar_at_far_{far:g}"] = tar_at_far(scores, same, far)
         return result
+
+
+def _in_list_order(
+    indices: torch.Tensor, scores: torch.Tensor, same: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs sorted by their index in the pair list, each index once (a padding sampler repeats some)."""
+    if indices.numel() != scores.numel():
+        raise ValueError(
+            f"`pair_indices` came with {indices.numel()} of the {scores.numel()} pairs: "
+            "give them in every update or in none"
+        )
+    order = torch.argsort(indices, stable=True)
+    indices, scores, same = indices[order], scores[order], same[order]
+    first = torch.ones_like(indices, dtype=torch.bool)
+    first[1:] = indices[1:] != indices[:-1]
+    return scores[first], same[first]

@@ -122,9 +122,11 @@ class FaceRecognitionModule(LightningModule):
 
     @override
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        if dataloader_idx == 1:  # (image_a, image_b, same) pairs, when the datamodule gives them
-            first, second, same = batch
-            self.val_verification.update(self.backbone(first), self.backbone(second), same)
+        if dataloader_idx == 1:  # (image_a, image_b, same[, pair_index]) pairs, when the datamodule gives them
+            first, second, same, *index = batch
+            self.val_verification.update(
+                self.backbone(first), self.backbone(second), same, pair_indices=index[0] if index else None
+            )
             return
         loss, accuracy, embeddings = self._loss_accuracy_embeddings(batch)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, add_dataloader_idx=False)

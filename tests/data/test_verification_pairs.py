@@ -23,11 +23,11 @@ def test_the_synthetic_datamodule_gives_a_pair_loader():
     data = SyntheticFaceDataModule(num_classes=3, samples_per_class=1, val_samples_per_class=2, image_size=16,
                                    batch_size=2, verification_pairs=True)  # fmt: skip
     samples, pairs = data.val_dataloader()
-    first, second, same = next(iter(pairs))
-    assert first.shape == (2, 3, 16, 16) and same.dtype == torch.bool
+    first, second, same, index = next(iter(pairs))
+    assert first.shape == (2, 3, 16, 16) and same.dtype == torch.bool and index.tolist() == [0, 1]
     dataset = pairs.dataset
     assert isinstance(dataset, PairDataset) and len(dataset) == 6
-    a, b, flag = dataset[0]
+    a, b, flag, _ = dataset[0]
     assert torch.equal(a, data.val_dataset[0][0]) and torch.equal(b, data.val_dataset[1][0]) and bool(flag)
     single = SyntheticFaceDataModule(num_classes=3, samples_per_class=1, val_samples_per_class=1, image_size=16,
                                      batch_size=2, verification_pairs=True)  # fmt: skip

@@ -29,7 +29,7 @@ def run(rank: int, out_dir: str, port: int) -> None:
     verification = FaceVerification(folds=5, far_targets=(0.1,))
     pairs = torch.arange(rank, 300, 2)
     verification.update(embeddings[pairs], embeddings[(pairs + 7) % 301], first_labels=labels[pairs],
-                        second_labels=labels[(pairs + 7) % 301])  # fmt: skip
+                        second_labels=labels[(pairs + 7) % 301], pair_indices=pairs)  # fmt: skip
     result = {"retrieval": retrieval.compute(), "separate": separate.compute(), "verification": verification.compute()}
     torch.save(result, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_memopt.memory import MemoryTracker
-from lightning_memopt.metrics import KNNRetrieval
+from lightning_memopt.metrics import FaceVerification, KNNRetrieval
 from lightning_memopt.metrics.functional import retrieval_metrics
 from tests.helpers import run_script
 
@@ -145,7 +145,15 @@ def test_two_ranks_give_the_single_process_result(tmp_path):
         assert rank["separate"] == pytest.approx(
             retrieval_metrics(embeddings[:101], labels[:101], embeddings[101:], labels[101:]), abs=1e-12
         )
-        assert rank["verification"] == ranks[0]["verification"]
+        pairs = torch.arange(300)  # the ranks took every other pair; their indices restore this order
+        single_verification = FaceVerification(folds=5, far_targets=(0.1,))
+        single_verification.update(
+            embeddings[pairs],
+            embeddings[(pairs + 7) % 301],
+            first_labels=labels[pairs],
+            second_labels=labels[(pairs + 7) % 301],
+        )
+        assert rank["verification"] == pytest.approx(single_verification.compute(), abs=1e-12)
 
 
 def test_a_budget_caps_a_given_chunk_and_sync_options_are_refused():

@@ -88,3 +88,26 @@ def test_the_metric_from_embeddings_or_labels():
 def test_bad_input(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_pair_indices_restore_the_list_order_and_drop_repeats():
+    scores, same = scored_pairs(60)
+    embeddings_a = torch.stack([torch.ones(60), torch.zeros(60)], dim=1)
+    angle = torch.arccos(scores.clamp(-1, 1))
+    embeddings_b = torch.stack([torch.cos(angle), torch.sin(angle)], dim=1)  # cosine with a: the score
+    reference = FaceVerification(folds=10, far_targets=(0.1,))
+    reference.update(embeddings_a, embeddings_b, same)
+    # as a padding DistributedSampler over 2 ranks deals them: 0, 2, 4, … then 1, 3, …, 59, 0 (a repeat)
+    dealt = torch.cat([torch.arange(0, 60, 2), torch.arange(1, 60, 2), torch.tensor([0])])
+    shuffled = FaceVerification(folds=10, far_targets=(0.1,))
+    for part in dealt.split(16):
+        shuffled.update(embeddings_a[part], embeddings_b[part], same[part], pair_indices=part)
+    assert shuffled.compute() == pytest.approx(reference.compute())
+    unordered = FaceVerification(folds=10, far_targets=(0.1,))
+    unordered.update(embeddings_a[dealt[:-1]], embeddings_b[dealt[:-1]], same[dealt[:-1]])
+    assert unordered.compute()["accuracy"] != pytest.approx(reference.compute()["accuracy"])  # the folds differ
+    mixed = FaceVerification()
+    mixed.update(embeddings_a[:4], embeddings_b[:4], same[:4], pair_indices=torch.arange(4))
+    mixed.update(embeddings_a[4:], embeddings_b[4:], same[4:])
+    with pytest.raises(ValueError, match="`pair_indices` came with 4 of the 60 pairs"):
+        mixed.compute()

@@ -173,7 +173,7 @@ def test_validation_logs_retrieval_and_verification_exactly(tmp_path):
     with torch.no_grad():
         images, labels = next(iter(DataLoader(data.val_dataset, batch_size=100)))
         embeddings = module(images)
-        first, second, same = next(iter(DataLoader(data.val_dataloader()[1].dataset, batch_size=100)))
+        first, second, same, _ = next(iter(DataLoader(data.val_dataloader()[1].dataset, batch_size=100)))
         scores = torch.nn.functional.cosine_similarity(module(first), module(second))
     expected = retrieval_metrics(embeddings, labels)
     for name, value in expected.items():
