@@ -9,7 +9,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from lightning_memopt.metrics.functional.knn import BACKENDS, METRICS, chunk_rows
+from lightning_memopt.metrics.functional.knn import check_search_options
 from lightning_memopt.metrics.functional.retrieval import metrics_from_sums, retrieval_sums
 
 
@@ -66,16 +66,7 @@ class KNNRetrieval(Metric):
                 "leave `sync_on_compute` and `dist_sync_on_step` unset"
             )
         super().__init__(**{**kwargs, "sync_on_compute": False})
-        if metric not in METRICS:
-            raise ValueError(f"Unknown `metric`={metric!r}; valid choices: {', '.join(METRICS)}")
-        if backend not in BACKENDS:
-            raise ValueError(f"Unknown `backend`={backend!r}; valid choices: {', '.join(BACKENDS)}")
-        if chunk_size is not None and (
-            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-        ):
-            raise ValueError(f"`chunk_size`={chunk_size!r} must be an int ≥ 1")
-        if max_memory is not None:
-            chunk_rows(1, 1, max_memory)  # validates it
+        check_search_options(metric, backend, chunk_size, max_memory)
         self.metric, self.chunk_size, self.max_memory = metric, chunk_size, max_memory
         self.embeddings_on_cpu, self.backend = embeddings_on_cpu, backend
         for name in ("query_embeddings", "query_labels", "reference_embeddings", "reference_labels"):

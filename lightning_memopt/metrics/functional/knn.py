@@ -24,6 +24,18 @@ def chunk_rows(num_references: int, k: int, max_memory: int) -> int:
     return max(1, int(max_memory) // per_row)
 
 
+def check_search_options(metric: str, backend: str, chunk_size: int | None, max_memory: int | None) -> None:
+    """Raise ``ValueError`` naming the first bad search option: metric, backend, chunk size or memory budget."""
+    if metric not in METRICS:
+        raise ValueError(f"Unknown `metric`={metric!r}; valid choices: {', '.join(METRICS)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown `backend`={backend!r}; valid choices: {', '.join(BACKENDS)}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"`chunk_size`={chunk_size!r} must be an int ≥ 1")
+    if max_memory is not None:
+        chunk_rows(1, 1, max_memory)  # raises for a non-positive budget
+
+
 def knn(
     query: torch.Tensor,
     reference: torch.Tensor,
@@ -69,10 +81,7 @@ def knn(
         >>> indices.flatten().tolist()  # [1, 0] and [0, 1] tie for the third: the lower index wins
         [2, 2, 0]
     """
-    if metric not in METRICS:
-        raise ValueError(f"Unknown `metric`={metric!r}; valid choices: {', '.join(METRICS)}")
-    if backend not in BACKENDS:
-        raise ValueError(f"Unknown `backend`={backend!r}; valid choices: {', '.join(BACKENDS)}")
+    check_search_options(metric, backend, chunk_size, max_memory)
     if query.dim() != 2 or reference.dim() != 2 or query.shape[1] != reference.shape[1]:
         raise ValueError(
             f"`query` {list(query.shape)} and `reference` {list(reference.shape)} must be [Q, D] and [N, D] "
@@ -90,8 +99,6 @@ def knn(
             f"`exclude_self` with `query_offset`={query_offset}: queries {query_offset}…"
             f"{query_offset + query.shape[0] - 1} are not all in the {reference.shape[0]} references"
         )
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"`chunk_size`={chunk_size!r} must be an int ≥ 1")
     if chunk_size is None:
         chunk_size = chunk_rows(reference.shape[0], k, DEFAULT_MEMORY if max_memory is None else max_memory)
     elif max_memory is not None:
