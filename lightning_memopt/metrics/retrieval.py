@@ -5,12 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
-from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_memopt.metrics.functional.knn import check_search_options
 from lightning_memopt.metrics.functional.retrieval import metrics_from_sums, retrieval_sums
+from lightning_memopt.metrics.sharded import (
+    communication_device,
+    first_occurrence,
+    gather_rows,
+    is_distributed,
+    max_over_ranks,
+    rows_per_rank,
+)
 
 
 class KNNRetrieval(Metric):
@@ -23,7 +31,12 @@ class KNNRetrieval(Metric):
     Under DDP each rank keeps its own queries. ``compute`` gathers the reference set (``N × D``) and
     searches its own queries against it, one chunk at a time (``chunk × N`` scores). It then adds
     the per-query sums over the ranks, so no rank ever holds ``N × N`` or another rank's queries'
-    neighbours.
+    neighbours. The reference shards arrive one at a time on the backend's device (the GPU for
+    NCCL) and are kept where the embeddings are kept, so ``embeddings_on_cpu`` works under NCCL.
+    A rank without updates takes part with an empty shard.
+
+    A distributed sampler pads the last batches with repeated samples; pass ``indices=`` (the
+    samples' dataset positions) to ``update`` and each sample counts once, also as a reference.
 
     Args:
         metric: ``"cosine"`` or ``"euclidean"``.
@@ -33,7 +46,8 @@ class KNNRetrieval(Metric):
 
     Raises:
         ValueError: for an unknown ``metric`` / ``backend``, a bad ``chunk_size`` / ``max_memory``,
-            mismatched lengths in ``update``, or ``compute`` with no usable query.
+            mismatched lengths or float labels in ``update``, ``indices`` given with some updates only,
+            or ``compute`` with no usable query (raised on every rank alike).
 
     Example::
 
@@ -48,8 +62,10 @@ class KNNRetrieval(Metric):
     full_state_update = False
     query_embeddings: list[torch.Tensor]
     query_labels: list[torch.Tensor]
+    query_indices: list[torch.Tensor]
     reference_embeddings: list[torch.Tensor]
     reference_labels: list[torch.Tensor]
+    reference_indices: list[torch.Tensor]
 
     def __init__(
         self,
@@ -69,60 +85,116 @@ class KNNRetrieval(Metric):
         check_search_options(metric, backend, chunk_size, max_memory)
         self.metric, self.chunk_size, self.max_memory = metric, chunk_size, max_memory
         self.embeddings_on_cpu, self.backend = embeddings_on_cpu, backend
-        for name in ("query_embeddings", "query_labels", "reference_embeddings", "reference_labels"):
-            self.add_state(name, default=[], dist_reduce_fx="cat")
+        for prefix in _SETS:
+            for part in ("embeddings", "labels", "indices"):
+                self.add_state(f"{prefix}_{part}", default=[], dist_reduce_fx="cat")
 
-    def update(self, embeddings: torch.Tensor, labels: torch.Tensor, reference: bool = False) -> None:
-        """Add ``[B, D]`` ``embeddings`` with ``[B]`` ``labels`` as queries, or as references."""
+    def update(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor,
+        reference: bool = False,
+        indices: torch.Tensor | None = None,
+    ) -> None:
+        """Add ``[B, D]`` ``embeddings`` with ``[B]`` integer ``labels`` as queries, or as references.
+
+        ``indices`` (``[B]``, the samples' positions in their dataset) let ``compute`` count each
+        sample once: a distributed sampler pads the last batches with repeats. Give them in every
+        update or in none.
+        """
         if embeddings.dim() != 2 or labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
             raise ValueError(
                 f"`embeddings` {list(embeddings.shape)} and `labels` {list(labels.shape)} must be [B, D] and [B]"
             )
-        embeddings, labels = embeddings.detach().float(), labels.detach()  # fp32 scores, also after bf16 steps
+        if labels.is_floating_point() or labels.is_complex():
+            raise ValueError(f"`labels` must be integer class ids, got dtype {labels.dtype}")
+        if indices is not None and (indices.shape != labels.shape or indices.is_floating_point()):
+            raise ValueError(f"`indices` {list(indices.shape)} ({indices.dtype}) must be [B] integer sample positions")
+        embeddings, labels = embeddings.detach().float(), labels.detach().long()  # fp32 scores after bf16 steps too
         if self.embeddings_on_cpu:
             embeddings, labels = embeddings.cpu(), labels.cpu()
         prefix = "reference" if reference else "query"
         getattr(self, f"{prefix}_embeddings").append(embeddings)
         getattr(self, f"{prefix}_labels").append(labels)
+        if indices is not None:
+            getattr(self, f"{prefix}_indices").append(indices.detach().long().to(labels.device))
 
     def compute(self) -> dict[str, float]:
-        if not self.query_embeddings:
-            raise ValueError("KNNRetrieval.compute() before any update: there are no query embeddings")
-        queries, query_labels = dim_zero_cat(self.query_embeddings), dim_zero_cat(self.query_labels)
-        same_set = not self.reference_embeddings
-        if same_set:
-            references, reference_labels = queries, query_labels
+        group = self.process_group
+        device = communication_device(group, self.device) if self._distributed() else None
+        dimension, has_references, query_indexed, reference_indexed = self._agree(device)
+        queries, query_labels, query_indices = self._local("query", dimension)
+        sizes = rows_per_rank(queries.shape[0], group, device)
+        offset = sum(sizes[: dist.get_rank(group)]) if self._distributed() else 0  # this rank's first query
+        keep = None  # the first copy of each sample counts; a distributed sampler's repeats do not
+        if query_indexed:
+            keep = first_occurrence(gather_rows(query_indices, sizes, group, device))
+        if has_references:
+            references, reference_labels, reference_indices = self._local("reference", dimension)
+            reference_sizes = rows_per_rank(references.shape[0], group, device)
+            reference_keep = None
+            if reference_indexed:
+                reference_keep = first_occurrence(gather_rows(reference_indices, reference_sizes, group, device))
+            references = gather_rows(references, reference_sizes, group, device, reference_keep)
+            reference_labels = gather_rows(reference_labels, reference_sizes, group, device, reference_keep)
         else:
-            references = dim_zero_cat(self.reference_embeddings)
-            reference_labels = dim_zero_cat(self.reference_labels)
-        offset = 0
-        distributed = self._distributed()
-        if distributed:
-            shards = gather_all_tensors(references, group=self.process_group)
-            reference_labels = torch.cat(gather_all_tensors(reference_labels, group=self.process_group))
-            rank = torch.distributed.get_rank(self.process_group)
-            offset = sum(shard.shape[0] for shard in shards[:rank])  # where this rank's queries sit among them
-            references = torch.cat(shards)
+            references = gather_rows(queries, sizes, group, device, keep)
+            reference_labels = gather_rows(query_labels, sizes, group, device, keep)
+        if keep is not None:
+            mine = keep[offset : offset + queries.shape[0]].to(queries.device)
+            queries, query_labels, offset = queries[mine], query_labels[mine], int(keep[:offset].sum())
         sums = retrieval_sums(
             queries,
             query_labels,
             references,
             reference_labels,
-            same_set=same_set,
+            same_set=not has_references,
             query_offset=offset,
             metric=self.metric,
             chunk_size=self.chunk_size,
             max_memory=self.max_memory,
             backend=self.backend,
         )
-        if distributed:
-            sums = sums.to(self.device)
-            torch.distributed.all_reduce(sums, group=self.process_group)
+        if self._distributed():
+            sums = sums.to(device)
+            dist.all_reduce(sums, group=group)
         return metrics_from_sums(sums.cpu())
 
-    def _distributed(self) -> bool:
-        return (
-            torch.distributed.is_available()
-            and torch.distributed.is_initialized()
-            and (torch.distributed.get_world_size(self.process_group) > 1)
+    def _agree(self, device: torch.device | None) -> tuple[int, bool, bool, bool]:
+        """Over all ranks: the embedding size, whether references exist, whether queries / references are indexed.
+
+        Errors are decided on the agreed values, so every rank raises the same one and none waits.
+        """
+        local = [max((e.shape[1] for e in self.query_embeddings + self.reference_embeddings), default=0)]
+        for prefix in _SETS:
+            updates, indexed = len(getattr(self, f"{prefix}_embeddings")), len(getattr(self, f"{prefix}_indices"))
+            local += [int(updates > 0), int(indexed > 0), int(indexed < updates)]
+        dimension, queries, query_indexed, query_plain, references, reference_indexed, reference_plain = max_over_ranks(
+            local, self.process_group, device
         )
+        if not queries:
+            raise ValueError("KNNRetrieval.compute() before any update: there are no query embeddings")
+        for prefix, indexed, plain in (("query", query_indexed, query_plain), ("reference", reference_indexed,
+                                                                               reference_plain)):  # fmt: skip
+            if indexed and plain:
+                raise ValueError(
+                    f"`indices` were given with some {prefix} updates and not others: give them with every update "
+                    "(on every rank) or with none"
+                )
+        return dimension, bool(references), bool(query_indexed), bool(reference_indexed)
+
+    def _local(self, prefix: str, dimension: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's embeddings, labels and indices of one set; empty ``[0, D]`` ones if it has none."""
+        embeddings = getattr(self, f"{prefix}_embeddings")
+        if not embeddings:
+            device = torch.device("cpu") if self.embeddings_on_cpu else self.device
+            empty = torch.zeros(0, dtype=torch.long, device=device)
+            return torch.zeros(0, dimension, device=device), empty, empty
+        labels, indices = dim_zero_cat(getattr(self, f"{prefix}_labels")), getattr(self, f"{prefix}_indices")
+        return dim_zero_cat(embeddings), labels, dim_zero_cat(indices) if indices else labels.new_zeros(0)
+
+    def _distributed(self) -> bool:
+        return is_distributed(self.process_group)
+
+
+_SETS = ("query", "reference")

@@ -51,9 +51,13 @@ class FaceRecognitionModule(LightningModule):
             (as the reference training does); ``False`` clips every parameter. A value of 0 or
             ``None`` means no clipping. Under FSDP, norm clipping goes through the sharded root's
             ``clip_grad_norm_`` (the only correct norm over shards) and covers every parameter.
+        retrieval_options: keyword arguments of the validation :class:`~lightning_memopt.metrics.KNNRetrieval`
+            (``metric``, ``chunk_size``, ``max_memory``, ``embeddings_on_cpu``, ``backend``).
+        verification_options: keyword arguments of the validation
+            :class:`~lightning_memopt.metrics.FaceVerification` (``folds``, ``far_targets``).
 
     Raises:
-        ValueError: for an unknown ``optimizer`` or a bad loss argument.
+        ValueError: for an unknown ``optimizer``, a bad loss argument or a bad metric option.
 
     Example::
 
@@ -80,6 +84,8 @@ class FaceRecognitionModule(LightningModule):
         schedule: str = "polynomial",
         power: float = 2.0,
         clip_backbone_only: bool = True,
+        retrieval_options: Mapping[str, Any] | None = None,
+        verification_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -93,8 +99,9 @@ class FaceRecognitionModule(LightningModule):
             sample_rate=sample_rate,
             margin_loss=CombinedMarginLoss(margin_list, scale),
         )
-        self.val_retrieval = KNNRetrieval()  # exact, chunked; each rank keeps its own validation shard
-        self.val_verification = FaceVerification()  # 10-fold accuracy, TAR at FAR 1e-4 and 1e-3
+        # exact, chunked kNN (each rank keeps its validation shard); 10-fold accuracy, TAR at FAR 1e-4 and 1e-3
+        self.val_retrieval = KNNRetrieval(**dict(retrieval_options or {}))
+        self.val_verification = FaceVerification(**dict(verification_options or {}))
 
     @override
     def forward(self, images: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.data import DistributedSampler
 
 from lightning_memopt.metrics import FaceVerification, KNNRetrieval
 from tests.metrics.test_retrieval_metrics import clustered
@@ -31,6 +32,24 @@ def run(rank: int, out_dir: str, port: int) -> None:
     verification.update(embeddings[pairs], embeddings[(pairs + 7) % 301], first_labels=labels[pairs],
                         second_labels=labels[(pairs + 7) % 301], pair_indices=pairs)  # fmt: skip
     result = {"retrieval": retrieval.compute(), "separate": separate.compute(), "verification": verification.compute()}
+    padded = KNNRetrieval(chunk_size=32)  # Lightning's sampler: 151 per rank, index 0 repeated on rank 1
+    order = torch.tensor(list(DistributedSampler(range(301), num_replicas=2, rank=rank, shuffle=False)))
+    for batch in order.split(64):
+        padded.update(embeddings[batch], labels[batch], indices=batch)
+    lonely = KNNRetrieval()  # rank 1 saw no batch
+    if rank == 0:
+        lonely.update(embeddings[:151], labels[:151])
+    one_sided = KNNRetrieval()  # queries on both ranks, references on rank 0 only
+    one_sided.update(embeddings[queries], labels[queries])
+    if rank == 0:
+        one_sided.update(embeddings[101:], labels[101:], reference=True)
+    mixed = KNNRetrieval()  # indices on rank 0 only: both ranks must raise, neither may wait
+    mixed.update(embeddings[shard], labels[shard], indices=torch.arange(301)[shard] if rank == 0 else None)
+    try:
+        mixed.compute()
+    except ValueError as error:
+        result["mixed"] = str(error)
+    result.update(padded=padded.compute(), lonely=lonely.compute(), one_sided=one_sided.compute())
     torch.save(result, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 

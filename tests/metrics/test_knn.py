@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 
@@ -55,6 +57,23 @@ def test_ties_go_to_the_lower_index():
     assert torch.equal(euclidean, brute_force(query, reference, 4, "euclidean"))
 
 
+def test_collapsed_embeddings_tie_everywhere_and_stay_fast_and_bounded():
+    """An untrained model's identical embeddings: every row ties across the k-th place."""
+    reference = torch.ones(3000, 8)
+    reference[::7] = -1.0  # two clusters of exact ties
+    tracker = MemoryTracker()
+    with tracker:
+        scores, indices = knn(reference, reference, 5, chunk_size=500, exclude_self=True)
+    first_plain = [j for j in range(3000) if j % 7][:6]
+    first_flipped = list(range(0, 3000, 7))[:6]
+    for row in (0, 1, 7, 2999):
+        expected = first_flipped if row % 7 == 0 else first_plain
+        assert indices[row].tolist() == [j for j in expected if j != row][:5]
+    assert torch.equal(indices[:50], brute_force(reference[:50], reference, 5, "cosine", exclude_self=True))
+    outputs = scores.numel() * 4 + indices.numel() * 8
+    assert tracker.peak.total_bytes - outputs <= 500 * 3000 * 6 + 3000 * 8 * 4 * 2  # the budget chunk_rows assumes
+
+
 def test_memory_stays_a_chunk_of_scores():
     generator = torch.Generator().manual_seed(2)
     reference = torch.randn(2000, 16, generator=generator)
@@ -75,7 +94,7 @@ def test_max_memory_derives_the_chunk():
     with tracker:
         scores, indices = knn(reference, reference, 5, max_memory=budget)
     chunk = chunk_rows(1000, 5, budget)
-    assert chunk == 93
+    assert chunk == 63
     assert tracker.peak.total_bytes <= budget + scores.numel() * 12 * 2 + 1000 * 4 + chunk * 8 * 4 * 2
 
 
@@ -108,6 +127,22 @@ def test_faiss_gives_the_same_neighbours():
         theirs = knn(reference, reference, 5, metric=metric, exclude_self=True, backend="faiss")
         assert torch.equal(ours[1], theirs[1])
         torch.testing.assert_close(ours[0], theirs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_faiss_index_is_built_once_for_all_chunks(monkeypatch):
+    pytest.importorskip("faiss")
+    knn_module = importlib.import_module("lightning_memopt.metrics.functional.knn")  # the package exports knn()
+    from lightning_memopt.metrics.functional.retrieval import retrieval_sums
+
+    built = []
+    original = knn_module._faiss_index
+    monkeypatch.setattr(knn_module, "_faiss_index", lambda *args: built.append(1) or original(*args))
+    reference = torch.randn(120, 16, generator=torch.Generator().manual_seed(7))
+    labels = torch.arange(120) % 6
+    torch_sums = retrieval_sums(reference, labels, reference, labels, same_set=True, chunk_size=10)
+    faiss_sums = retrieval_sums(reference, labels, reference, labels, same_set=True, chunk_size=10, backend="faiss")
+    assert len(built) == 1  # one index, twelve chunks
+    torch.testing.assert_close(faiss_sums, torch_sums, rtol=0, atol=1e-12)
 
 
 def test_empty_queries_and_half_precision_embeddings():

@@ -117,6 +117,28 @@ def test_compute_memory_is_bounded():
     assert tracker.peak.total_bytes < 2_000_000 + 2000 * 32 * 4 * 2 + 2000 * 8 * 4
 
 
+def mixed_indices():
+    metric = KNNRetrieval()
+    metric.update(torch.randn(4, 2), torch.zeros(4).long(), indices=torch.arange(4))
+    metric.update(torch.randn(4, 2), torch.zeros(4).long())
+    return metric
+
+
+def test_indices_count_a_repeated_sample_once():
+    embeddings, labels = clustered(samples=200)
+    repeated = torch.cat([torch.arange(200), torch.tensor([0, 1, 5])])  # a sampler's padding repeats the first
+    metric = KNNRetrieval(chunk_size=30)
+    metric.update(embeddings[repeated], labels[repeated], indices=repeated)
+    assert metric.compute() == pytest.approx(retrieval_metrics(embeddings, labels), abs=1e-12)
+    separate = KNNRetrieval()
+    separate.update(embeddings[repeated[:60]], labels[repeated[:60]], indices=repeated[:60])
+    separate.update(embeddings[:60], labels[:60], indices=torch.arange(60))  # the same queries again
+    references = torch.cat([torch.arange(60, 200), torch.tensor([60, 61])])
+    separate.update(embeddings[references], labels[references], reference=True, indices=references)
+    expected = retrieval_metrics(embeddings[:60], labels[:60], embeddings[60:], labels[60:])
+    assert separate.compute() == pytest.approx(expected, abs=1e-12)
+
+
 @pytest.mark.parametrize(
     ("build", "message"),
     [
@@ -126,6 +148,15 @@ def test_compute_memory_is_bounded():
         (lambda: KNNRetrieval(max_memory=-1), "`max_memory`=-1 must be a positive number of bytes"),
         (lambda: KNNRetrieval().update(torch.randn(4, 2), torch.zeros(3)), r"\[4, 2\] and `labels` \[3\]"),
         (lambda: KNNRetrieval().compute(), "before any update"),
+        (
+            lambda: KNNRetrieval().update(torch.randn(4, 2), torch.zeros(4)),
+            "integer class ids, got dtype torch.float32",
+        ),
+        (
+            lambda: KNNRetrieval().update(torch.randn(4, 2), torch.zeros(4).long(), indices=torch.arange(3)),
+            r"`indices` \[3\] \(torch.int64\) must be \[B\] integer",
+        ),  # fmt: skip
+        (lambda: mixed_indices().compute(), "`indices` were given with some query updates and not others"),
     ],
 )
 def test_bad_input(build, message):
@@ -142,9 +173,12 @@ def test_two_ranks_give_the_single_process_result(tmp_path):
     single = retrieval_metrics(embeddings, labels)
     for rank in ranks:
         assert rank["retrieval"] == pytest.approx(single, abs=1e-12)
-        assert rank["separate"] == pytest.approx(
-            retrieval_metrics(embeddings[:101], labels[:101], embeddings[101:], labels[101:]), abs=1e-12
-        )
+        separate = retrieval_metrics(embeddings[:101], labels[:101], embeddings[101:], labels[101:])
+        assert rank["separate"] == pytest.approx(separate, abs=1e-12)
+        assert rank["one_sided"] == pytest.approx(separate, abs=1e-12)
+        assert rank["padded"] == pytest.approx(single, abs=1e-12)  # the repeated sample counted once
+        assert rank["lonely"] == pytest.approx(retrieval_metrics(embeddings[:151], labels[:151]), abs=1e-12)
+        assert "`indices` were given with some query updates and not others" in rank["mixed"]
         pairs = torch.arange(300)  # the ranks took every other pair; their indices restore this order
         single_verification = FaceVerification(folds=5, far_targets=(0.1,))
         single_verification.update(

@@ -51,6 +51,13 @@ def test_tar_at_far_is_the_best_rate_within_the_false_accepts(far):
     assert tar_at_far(scores, same, far) == pytest.approx(best)
 
 
+def test_tar_at_a_far_too_small_for_the_negatives_warns_and_allows_no_false_accept():
+    scores = torch.tensor([0.9, 0.6, 0.8, 0.5, 0.7])
+    same = torch.tensor([True, True, False, False, False])
+    with pytest.warns(UserWarning, match=r"TAR at FAR=0.001 needs ≥ 1000 different-identity pairs to resolve, got 3"):
+        assert tar_at_far(scores, same, 1e-3) == 0.5  # only 0.9 is above the highest negative, 0.8
+
+
 def test_the_metric_from_embeddings_or_labels():
     generator = torch.Generator().manual_seed(1)
     first, second = torch.randn(300, 16, generator=generator), torch.randn(300, 16, generator=generator)

@@ -193,3 +193,17 @@ def test_one_validation_sample_per_identity_warns_instead_of_retrieval(tmp_path)
     with pytest.warns(UserWarning, match="no retrieval metrics this epoch: no query has another reference"):
         trainer.fit(_module(), data, data)
     assert "val/precision_at_1" not in trainer.callback_metrics
+
+
+def test_metric_options_reach_the_validation_metrics():
+    module = _module(
+        retrieval_options={"embeddings_on_cpu": True, "max_memory": 10**6, "metric": "euclidean"},
+        verification_options={"folds": 5, "far_targets": [0.01]},
+    )
+    retrieval, verification = module.val_retrieval, module.val_verification
+    assert (retrieval.embeddings_on_cpu, retrieval.max_memory, retrieval.metric) == (True, 10**6, "euclidean")
+    assert (verification.folds, verification.far_targets) == (5, (0.01,))
+    with pytest.raises(ValueError, match="Unknown `backend`='annoy'; valid choices: torch, faiss"):
+        _module(retrieval_options={"backend": "annoy"})
+    with pytest.raises(ValueError, match="`folds`=1 must be an int ≥ 2"):
+        _module(verification_options={"folds": 1})

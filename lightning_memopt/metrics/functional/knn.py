@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 METRICS = ("cosine", "euclidean")
@@ -15,12 +17,13 @@ def chunk_rows(num_references: int, k: int, max_memory: int) -> int:
 
     Example::
 
-        >>> chunk_rows(num_references=100_000, k=10, max_memory=2**30)  # 1 GiB: 2680 queries at a time
-        2680
+        >>> chunk_rows(num_references=100_000, k=10, max_memory=2**30)  # 1 GiB: 1787 queries at a time
+        1787
     """
     if max_memory <= 0:
         raise ValueError(f"`max_memory`={max_memory!r} must be a positive number of bytes")
-    per_row = 4 * num_references + 48 * (k + 1)  # fp32 scores; the top k + 1 (values, indices) while sorted
+    # fp32 scores, ≤ 2 bytes a score for settling ties (see _top_k), the top k + 1 (values, indices) while sorted
+    per_row = 6 * num_references + 48 * (k + 1)
     return max(1, int(max_memory) // per_row)
 
 
@@ -34,6 +37,15 @@ def check_search_options(metric: str, backend: str, chunk_size: int | None, max_
         raise ValueError(f"`chunk_size`={chunk_size!r} must be an int ≥ 1")
     if max_memory is not None:
         chunk_rows(1, 1, max_memory)  # raises for a non-positive budget
+
+
+def check_embeddings(query: torch.Tensor, reference: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``query`` and ``reference`` are ``[Q, D]`` and ``[N, D]`` with the same ``D``."""
+    if query.dim() != 2 or reference.dim() != 2 or query.shape[1] != reference.shape[1]:
+        raise ValueError(
+            f"`query` {list(query.shape)} and `reference` {list(reference.shape)} must be [Q, D] and [N, D] "
+            "with the same D"
+        )
 
 
 def knn(
@@ -82,11 +94,7 @@ def knn(
         [2, 2, 0]
     """
     check_search_options(metric, backend, chunk_size, max_memory)
-    if query.dim() != 2 or reference.dim() != 2 or query.shape[1] != reference.shape[1]:
-        raise ValueError(
-            f"`query` {list(query.shape)} and `reference` {list(reference.shape)} must be [Q, D] and [N, D] "
-            "with the same D"
-        )
+    check_embeddings(query, reference)
     available = reference.shape[0] - (1 if exclude_self else 0)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= available:
         raise ValueError(f"`k`={k!r} must be an int in [1, {available}] ({reference.shape[0]} references)")
@@ -103,24 +111,66 @@ def knn(
         chunk_size = chunk_rows(reference.shape[0], k, DEFAULT_MEMORY if max_memory is None else max_memory)
     elif max_memory is not None:
         chunk_size = min(chunk_size, chunk_rows(reference.shape[0], k, max_memory))
-    if backend == "faiss":
-        return _faiss_knn(query, reference, k, metric, exclude_self, query_offset)
-    query, reference = query.float(), reference.float()  # fp32 scores, whatever the embeddings' dtype
-    reference_sq = reference.pow(2).sum(dim=1)
-    if metric == "cosine":
-        reference_sq = reference_sq.sqrt_().clamp_min_(_EPS)  # the norms, divided out of the dot products
-    scores, indices = [], []
-    for start in range(0, query.shape[0], chunk_size):
-        chunk = query[start : start + chunk_size]
-        similarity = _similarity(chunk, reference, reference_sq, metric)  # larger is nearer
+    index = ExactIndex(reference, metric, backend)
+    found = [
+        index.search(query[start : start + chunk_size], k, exclude_self, query_offset + start)
+        for start in range(0, query.shape[0], chunk_size)
+    ]
+    return torch.cat([scores for scores, _ in found]), torch.cat([indices for _, indices in found])
+
+
+class ExactIndex:
+    """A reference set prepared once (norms, or a flat faiss index) for exact searches of many query chunks.
+
+    ``search`` scores its whole query chunk at once (``Q × N`` fp32): split large query sets, as
+    :func:`knn` does.
+
+    Example::
+
+        >>> index = ExactIndex(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
+        >>> index.search(torch.tensor([[1.0, 0.1]]), k=2)[1].tolist()
+        [[0, 2]]
+    """
+
+    def __init__(self, reference: torch.Tensor, metric: str = "cosine", backend: str = "torch") -> None:
+        check_search_options(metric, backend, None, None)
+        self.metric, self.backend, self.size = metric, backend, reference.shape[0]
+        if backend == "faiss":
+            self.faiss_index = _faiss_index(reference, metric)
+            return
+        self.reference = reference.float()  # fp32 scores, whatever the embeddings' dtype
+        self.reference_sq = self.reference.pow(2).sum(dim=1)
+        if metric == "cosine":
+            self.reference_sq = self.reference_sq.sqrt_().clamp_min_(_EPS)  # the norms, divided out of the dots
+
+    def search(
+        self, query: torch.Tensor, k: int, exclude_self: bool = False, query_offset: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scores, indices)`` ``[Q, k]`` of ``query`` (one chunk); arguments as in :func:`knn`."""
+        if self.backend == "faiss":
+            return self._faiss_search(query, k, exclude_self, query_offset)
+        similarity = _similarity(query.float(), self.reference, self.reference_sq, self.metric)  # larger is nearer
         if exclude_self:
-            rows = torch.arange(chunk.shape[0], device=similarity.device)
-            similarity[rows, rows + query_offset + start] = -torch.inf
-        values, found = _top_k(similarity, k)
+            rows = torch.arange(query.shape[0], device=similarity.device)
+            similarity[rows, rows + query_offset] = -torch.inf
+        values, indices = _top_k(similarity, k)
         del similarity
-        scores.append(values if metric == "cosine" else values.neg_().clamp_min_(0).sqrt_())
-        indices.append(found)
-    return torch.cat(scores), torch.cat(indices)
+        return (values if self.metric == "cosine" else values.neg_().clamp_min_(0).sqrt_()), indices
+
+    def _faiss_search(
+        self, query: torch.Tensor, k: int, exclude_self: bool, query_offset: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        extra = 1 if exclude_self else 0
+        queries = _faiss_ready(query, self.metric)
+        scores, indices = (torch.from_numpy(a) for a in self.faiss_index.search(queries.numpy(), k + extra))
+        if exclude_self:
+            own = torch.arange(query_offset, query_offset + query.shape[0])[:, None]
+            keep = indices != own
+            keep[keep.all(dim=1), -1] = False  # its own entry was not among the k + 1: drop the last
+            scores, indices = scores[keep].view(-1, k), indices[keep].view(-1, k)
+        if self.metric == "euclidean":
+            scores = scores.clamp_min_(0).sqrt_()  # faiss gives squared distances
+        return scores.to(query.device), indices.to(query.device)
 
 
 def _similarity(chunk: torch.Tensor, reference: torch.Tensor, reference_sq: torch.Tensor, metric: str) -> torch.Tensor:
@@ -137,10 +187,11 @@ def _top_k(similarity: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     extra = 1 if k < similarity.shape[1] else 0
     values, indices = similarity.topk(k + extra, dim=1)
     if extra:  # a (k+1)-th value equal to the k-th: a tie crosses the k-th place, settle it by index
-        for row in torch.nonzero(values[:, k] == values[:, k - 1]).flatten().tolist():
-            candidates = torch.nonzero(similarity[row] >= values[row, k - 1]).flatten()  # ascending indices
-            order = torch.sort(similarity[row, candidates], descending=True, stable=True).indices[:k]
-            values[row, :k], indices[row, :k] = similarity[row, candidates[order]], candidates[order]
+        tied = torch.nonzero(values[:, k] == values[:, k - 1]).flatten()
+        block = max(1, similarity.shape[0] // 8)  # ≤ 13 bytes a score (row copy, masks, counts): an eighth at a time
+        for start in range(0, tied.numel(), block):
+            rows = tied[start : start + block]
+            values[rows, :k], indices[rows, :k] = _lowest_index_top_k(similarity[rows], values[rows, k - 1], k)
         values, indices = values[:, :k], indices[:, :k]
     # within the k, equal values in index order: sort by index, then stably by value
     by_index = indices.argsort(dim=1)
@@ -149,27 +200,28 @@ def _top_k(similarity: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return values.gather(1, by_value), indices.gather(1, by_value)
 
 
-def _faiss_knn(
-    query: torch.Tensor, reference: torch.Tensor, k: int, metric: str, exclude_self: bool, query_offset: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _lowest_index_top_k(similarity: torch.Tensor, kth: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' top ``k`` given their ``k``-th value: all above it, then the lowest indices equal to it."""
+    above = similarity > kth[:, None]
+    equal = similarity == kth[:, None]
+    wanted = k - above.sum(dim=1, keepdim=True, dtype=torch.int32)
+    chosen = above | (equal & (equal.cumsum(dim=1, dtype=torch.int32) <= wanted))
+    indices = torch.nonzero(chosen)[:, 1].view(-1, k)  # row-major: k ascending indices per row
+    return similarity.gather(1, indices), indices
+
+
+def _faiss_ready(embeddings: torch.Tensor, metric: str) -> torch.Tensor:
+    """fp32 CPU rows for faiss, unit length for cosine."""
+    rows = embeddings.detach().float().cpu()
+    return rows / rows.norm(dim=1, keepdim=True).clamp_min(_EPS) if metric == "cosine" else rows
+
+
+def _faiss_index(reference: torch.Tensor, metric: str) -> Any:
     try:
         import faiss
     except ImportError:
         raise ValueError("`backend`='faiss' needs faiss: pip install 'lightning-memopt[faiss]'") from None
-    queries = query.detach().float().cpu()
-    references = reference.detach().float().cpu()
-    if metric == "cosine":
-        queries = queries / queries.norm(dim=1, keepdim=True).clamp_min(_EPS)
-        references = references / references.norm(dim=1, keepdim=True).clamp_min(_EPS)
-    index = faiss.IndexFlatIP(references.shape[1]) if metric == "cosine" else faiss.IndexFlatL2(references.shape[1])
-    index.add(references.numpy())
-    extra = 1 if exclude_self else 0
-    scores, indices = (torch.from_numpy(a) for a in index.search(queries.numpy(), k + extra))
-    if exclude_self:
-        own = torch.arange(query_offset, query_offset + query.shape[0])[:, None]
-        keep = indices != own
-        keep[keep.all(dim=1), -1] = False  # its own entry was not among the k + 1: drop the last
-        scores, indices = scores[keep].view(-1, k), indices[keep].view(-1, k)
-    if metric == "euclidean":
-        scores = scores.clamp_min_(0).sqrt_()  # faiss gives squared distances
-    return scores.to(query.device), indices.to(query.device)
+    dimension = reference.shape[1]
+    index = faiss.IndexFlatIP(dimension) if metric == "cosine" else faiss.IndexFlatL2(dimension)
+    index.add(_faiss_ready(reference, metric).numpy())
+    return index

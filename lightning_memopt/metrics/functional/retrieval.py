@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from lightning_memopt.metrics.functional.knn import DEFAULT_MEMORY, chunk_rows, knn
+from lightning_memopt.metrics.functional.knn import (
+    DEFAULT_MEMORY,
+    ExactIndex,
+    check_embeddings,
+    check_search_options,
+    chunk_rows,
+)
 
 RETRIEVAL_METRICS = ("precision_at_1", "r_precision", "mean_average_precision_at_r")
 
@@ -30,8 +36,11 @@ def retrieval_sums(
     ``chunk × N_ref``. Sums (not means) let shards of the queries be added across ranks.
 
     Raises:
-        ValueError: for labels that do not match their embeddings in length.
+        ValueError: for embeddings that are not ``[Q, D]`` and ``[N, D]``, labels that do not match
+            them in length, or a bad search option.
     """
+    check_search_options(metric, backend, chunk_size, max_memory)
+    check_embeddings(query, reference)
     for name, embeddings, labels in (("query", query, query_labels), ("reference", reference, reference_labels)):
         if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
             raise ValueError(
@@ -50,22 +59,13 @@ def retrieval_sums(
         budget = DEFAULT_MEMORY if max_memory is None else max_memory
         derived = chunk_rows(reference.shape[0], largest_r, budget)
         chunk_size = derived if chunk_size is None else min(chunk_size, derived)
+    index = ExactIndex(reference, metric, backend)
     for start in range(0, query.shape[0], chunk_size):
         r = relevant[start : start + chunk_size]
         keep = r > 0
         if not keep.any():
             continue
-        chunk = query[start : start + chunk_size]
-        _, neighbours = knn(
-            chunk,
-            reference,
-            int(r.max()),
-            metric=metric,
-            chunk_size=chunk.shape[0],
-            exclude_self=same_set,
-            query_offset=query_offset + start,
-            backend=backend,
-        )
+        _, neighbours = index.search(query[start : start + chunk_size], int(r.max()), same_set, query_offset + start)
         hits = reference_labels[neighbours[keep]] == query_labels[start : start + chunk_size][keep, None]
         sums += _chunk_sums(hits, r[keep])
     return sums

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import torch
 
 
@@ -67,7 +70,8 @@ def tar_at_far(scores: torch.Tensor, same: torch.Tensor, far: float) -> float:
     """True-accept rate at the threshold where at most ``far`` of the different-identity pairs are accepted.
 
     A pair is accepted when its score is *above* the threshold, the ``⌊far · negatives⌋ + 1``-th
-    highest negative score, so ties at the threshold are rejected.
+    highest negative score, so ties at the threshold are rejected. With fewer than ``1 / far``
+    negatives no false accept is allowed, and a warning says so.
 
     Raises:
         ValueError: for ``far`` outside (0, 1], or without positive or negative pairs.
@@ -86,6 +90,12 @@ def tar_at_far(scores: torch.Tensor, same: torch.Tensor, far: float) -> float:
             f"TAR at FAR needs both kinds of pairs: {positives.numel()} same, {negatives.numel()} different"
         )
     allowed = int(far * negatives.numel())
+    if allowed == 0 and far * negatives.numel() < 1:
+        warnings.warn(
+            f"TAR at FAR={far:g} needs ≥ {math.ceil(1 / far)} different-identity pairs to resolve, got "
+            f"{negatives.numel()}: the value given is TAR at FAR 0 (above the highest negative score)",
+            stacklevel=2,
+        )
     ranked = torch.sort(negatives, descending=True).values
     threshold = ranked[allowed] if allowed < ranked.numel() else torch.tensor(-torch.inf, dtype=torch.float64)
     return float((positives > threshold).double().mean())
