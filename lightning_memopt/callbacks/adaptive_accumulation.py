@@ -50,6 +50,8 @@ class AdaptiveAccumulation(Callback):
     evaluated in chunks, and the outputs are concatenated.
 
     Micro-batches change batch-norm statistics (each sees fewer samples); a warning says so once.
+    So does a module whose loss couples a batch's samples, when it says so in a
+    ``batch_coupled_loss`` attribute (the face task with TopoFR's topological loss does).
     A training step's ``self.log(..., on_step=True)`` shows the last micro-batch's value, while
     ``on_epoch`` means are weighted by micro-batch size and exact. Needs automatic optimization,
     and a single-device or DDP strategy.
@@ -110,7 +112,7 @@ class AdaptiveAccumulation(Callback):
         self._originals: dict[str, Any] = {}  # hook name -> the instance attribute it replaced (or _ABSENT)
         self._train_runner: MicroBatchRunner | None = None
         self._eval_runner: MicroBatchRunner | None = None
-        self._warned_batch_norm = False
+        self._warned_batch_norm = self._warned_coupled_loss = False
         self._allocator_retries = 0
         self._batch_idx = 0  # of the batch in training: a training_step need not take `batch_idx`
         self._accumulate: int | None = None  # accumulate_grad_batches the schedule set (saved in checkpoints)
@@ -211,7 +213,7 @@ class AdaptiveAccumulation(Callback):
         total = _size_or_none(batch)  # None: a batch that cannot be split runs whole
         size = None if total is None else self.sizer.size_for(trainer.global_step, total)
         if total is not None and size is not None:
-            self._warn_batch_norm(pl_module, size, total)
+            self._warn_batch_coupling(pl_module, size, total)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         try:
             result = self._train_runner.run(
@@ -231,7 +233,7 @@ class AdaptiveAccumulation(Callback):
         if result.recovered:
             self.sizer.recovered(trainer.global_step, result.micro_batch_size)
             self._allocator_retries = allocator_retries(trainer.strategy.root_device)  # the OOM's own retries
-            self._warn_batch_norm(pl_module, result.micro_batch_size, total)
+            self._warn_batch_coupling(pl_module, result.micro_batch_size, total)
             cause = f" ({result.oom_errors[0][:160]})" if result.oom_errors else " on another rank"
             rank_zero_info(
                 f"AdaptiveAccumulation: out of memory at step {trainer.global_step} with micro-batches of {size}"
@@ -254,17 +256,26 @@ class AdaptiveAccumulation(Callback):
         retried, self._allocator_retries = retries > self._allocator_retries, retries
         return int(retried)
 
-    def _warn_batch_norm(self, pl_module: LightningModule, size: int, total: int) -> None:
-        if self._warned_batch_norm or size >= total:
+    def _warn_batch_coupling(self, pl_module: LightningModule, size: int, total: int) -> None:
+        """Warn once each: micro-batches change batch-norm statistics, and a loss over the batch's samples."""
+        if size >= total:
             return
         layers = [type(m).__name__ for m in pl_module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        if layers:
+        if layers and not self._warned_batch_norm:
             self._warned_batch_norm = True
             rank_zero_warn(
                 f"AdaptiveAccumulation: micro-batches of {size} (of {total}) change the batch statistics of the "
                 f"model's {len(layers)} batch-norm layers ({', '.join(sorted(set(layers)))}). Ghost batch norm or "
                 "GroupNorm / LayerNorm keep them independent of the micro-batch size; SyncBatchNorm pools every "
                 "rank's micro-batch (under DDP, with a `micro_batch_size` that fits: see the README)"
+            )
+        coupled = getattr(pl_module, "batch_coupled_loss", None)
+        if coupled and not self._warned_coupled_loss:
+            self._warned_coupled_loss = True
+            rank_zero_warn(
+                f"AdaptiveAccumulation: micro-batches of {size} (of {total}) change {coupled}: it couples the "
+                "samples of a batch, so each micro-batch is a batch of its own to it. Give a batch that fits, "
+                "or accept a loss computed on the smaller batches"
             )
 
     def _with_profile(

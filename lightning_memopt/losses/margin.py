@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+REDUCTIONS = ("mean", "none")
 _COS_CLAMP = 1.0 - 1e-7
 
 
@@ -77,10 +78,15 @@ class CombinedMarginLoss(nn.Module):
         logits = cosine.index_put((rows, labels), target)
         return logits * self.scale
 
-    def forward(self, cosine: Tensor, labels: Tensor) -> Tensor:
-        """Mean cross-entropy of the margin logits; ``cosine`` is [B, C], ``labels`` [B]."""
+    def forward(self, cosine: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
+        """Cross-entropy of the margin logits; ``cosine`` is [B, C], ``labels`` [B].
+
+        ``reduction="none"`` gives the ``[B]`` per-sample losses (for sample weights), ``"mean"`` their mean.
+        """
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"Unknown `reduction`={reduction!r}; valid choices: {', '.join(REDUCTIONS)}")
         with torch.autocast(device_type=cosine.device.type, enabled=False):
-            return F.cross_entropy(self.margin_logits(cosine.float(), labels), labels)
+            return F.cross_entropy(self.margin_logits(cosine.float(), labels), labels, reduction=reduction)
 
     def extra_repr(self) -> str:
         return f"margin_list=({self.m1}, {self.m2}, {self.m3}), scale={self.scale}"

@@ -82,12 +82,13 @@ class PartialFC(nn.Module):
             class_index = score.topk(self.num_sample, sorted=False).indices.sort().values
         return class_index, torch.searchsorted(class_index, labels)
 
-    def forward(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, embeddings: Tensor, labels: Tensor, reduction: str = "mean") -> tuple[Tensor, Tensor, Tensor]:
         """Loss over the (sampled) centres, in fp32 with autocast off.
 
         Returns:
-            ``(loss, cosine, target)``: the scalar loss, the cosine logits it was computed from
-            (``B × classes used``) and each label's column in them, for accuracy.
+            ``(loss, cosine, target)``: the loss (scalar; ``[B]`` per sample with ``reduction="none"``),
+            the cosine logits it was computed from (``B × classes used``) and each label's column in
+            them, for accuracy.
         """
         with torch.autocast(device_type=embeddings.device.type, enabled=False):
             if self.training and self.num_sample < self.num_classes:
@@ -96,7 +97,7 @@ class PartialFC(nn.Module):
             else:
                 weight, target = self.weight, labels
             cosine = F.linear(F.normalize(embeddings.float()), F.normalize(weight.float()))
-            return self.margin_loss(cosine, target), cosine, target
+            return self.margin_loss(cosine, target, reduction), cosine, target
 
     def extra_repr(self) -> str:
         return f"num_classes={self.num_classes}, sample_rate={self.sample_rate}, num_sample={self.num_sample}"

@@ -10,9 +10,17 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor
+from torch.nn import functional as F
 from typing_extensions import override
 
-from lightning_memopt.losses import CombinedMarginLoss, PartialFC
+from lightning_memopt.losses import (
+    CombinedMarginLoss,
+    PartialFC,
+    TopologicalAlignmentLoss,
+    hard_sample_probability,
+    prediction_entropy,
+)
+from lightning_memopt.losses.topology import VARIANTS
 from lightning_memopt.metrics import FaceVerification, KNNRetrieval
 from lightning_memopt.models import create_model
 from lightning_memopt.tasks.lr_schedule import clip_sharded_root, step_scheduler, warmup_decay
@@ -24,7 +32,8 @@ class FaceRecognitionModule(LightningModule):
     """Train a face-embedding backbone with ArcFace / CosFace / SphereFace margins and Partial FC.
 
     Batches are ``(images, labels)``. The margin head and the loss run in fp32 under mixed
-    precision. Logs ``train/loss``, ``train/acc`` and, with validation data, ``val/loss``, ``val/acc``
+    precision. Logs ``train/loss``, ``train/acc`` (with the topological loss also
+    ``train/classification_loss`` and ``train/topo_loss``) and, with validation data, ``val/loss``, ``val/acc``
     and, at the end of each validation, retrieval over the validation embeddings
     (``val/precision_at_1``, ``val/r_precision``, ``val/mean_average_precision_at_r``; exact kNN in
     bounded memory, :class:`~lightning_memopt.metrics.KNNRetrieval`). A second validation loader
@@ -55,9 +64,20 @@ class FaceRecognitionModule(LightningModule):
             (``metric``, ``chunk_size``, ``max_memory``, ``embeddings_on_cpu``, ``backend``).
         verification_options: keyword arguments of the validation
             :class:`~lightning_memopt.metrics.FaceVerification` (``folds``, ``far_targets``).
+        topo_weight: weight of TopoFR's topological alignment loss
+            (:class:`~lightning_memopt.losses.TopologicalAlignmentLoss`, 0.1 in TopoFR); 0 leaves it out.
+        topo_variant: ``"diagram"`` (TopoFR's) or ``"symmetric"`` (Moor et al.'s) signature loss.
+        topo_input_size: the input space of that loss: ``None`` for the flattened images, or a side
+            length to which the images are average-pooled first (a fixed lower-resolution view).
+        hard_sample_weighting: weigh each sample's classification loss by ``1 + p_hard``, TopoFR's
+            structure-damage score: the posterior of the uniform component of a Gaussian–uniform
+            mixture fitted by EM to the batch's prediction entropies
+            (:func:`~lightning_memopt.losses.hard_sample_probability`).
+        em_iterations: EM steps of that fit.
 
     Raises:
-        ValueError: for an unknown ``optimizer``, a bad loss argument or a bad metric option.
+        ValueError: for an unknown ``optimizer``, a bad loss argument (``topo_weight`` < 0,
+            ``topo_input_size`` < 1, an unknown ``topo_variant``, ``em_iterations`` < 1) or a bad metric option.
 
     Example::
 
@@ -86,11 +106,17 @@ class FaceRecognitionModule(LightningModule):
         clip_backbone_only: bool = True,
         retrieval_options: Mapping[str, Any] | None = None,
         verification_options: Mapping[str, Any] | None = None,
+        topo_weight: float = 0.0,
+        topo_variant: str = "diagram",
+        topo_input_size: int | None = None,
+        hard_sample_weighting: bool = False,
+        em_iterations: int = 10,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"Unknown `optimizer`={optimizer!r}; valid choices: {', '.join(OPTIMIZERS)}")
         warmup_decay(total_steps=warmup_steps + 1, warmup_steps=warmup_steps, schedule=schedule, power=power)
+        _check_topology_options(topo_weight, topo_variant, topo_input_size, em_iterations)
         self.save_hyperparameters()
         self.backbone = create_model(backbone, **dict(backbone_options or {}))
         self.head = PartialFC(
@@ -102,6 +128,11 @@ class FaceRecognitionModule(LightningModule):
         # exact, chunked kNN (each rank keeps its validation shard); 10-fold accuracy, TAR at FAR 1e-4 and 1e-3
         self.val_retrieval = KNNRetrieval(**dict(retrieval_options or {}))
         self.val_verification = FaceVerification(**dict(verification_options or {}))
+        self.topology = TopologicalAlignmentLoss(topo_variant) if topo_weight > 0 else None
+        # read by AdaptiveAccumulation: micro-batches would change this loss, not just its memory
+        self.batch_coupled_loss = (
+            "the topological alignment loss (spanning trees of the batch)" if self.topology else None
+        )
 
     @override
     def forward(self, images: Tensor) -> Tensor:
@@ -113,19 +144,38 @@ class FaceRecognitionModule(LightningModule):
         loss, accuracy, _ = self._loss_accuracy_embeddings(batch)
         return loss, accuracy
 
-    def _loss_accuracy_embeddings(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def _loss_accuracy_embeddings(
+        self, batch: tuple[Tensor, Tensor], weighted: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor]:
         images, labels = batch
         embeddings = self.backbone(images)
-        loss, cosine, target = self.head(embeddings, labels)
+        losses, cosine, target = self.head(embeddings, labels, reduction="none")
+        if weighted:  # structure damage: hard samples (entropy outside the batch's bulk) weigh up to 2×
+            entropy = prediction_entropy(cosine * self.head.margin_loss.scale)
+            losses = losses * (1 + hard_sample_probability(entropy, self.hparams["em_iterations"]))
         accuracy = (cosine.argmax(dim=1) == target).float().mean()
-        return loss, accuracy, embeddings
+        return losses.mean(), accuracy, embeddings
 
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss, accuracy = self.loss_and_accuracy(batch)
-        self.log("train/loss", loss, prog_bar=True)
+        weighted = self.hparams["hard_sample_weighting"] and batch[1].shape[0] > 1
+        loss, accuracy, embeddings = self._loss_accuracy_embeddings(batch, weighted)
         self.log("train/acc", accuracy)
+        if self.topology is not None:
+            self.log("train/classification_loss", loss)
+            if batch[0].shape[0] > 1:  # a spanning tree needs two samples
+                topological = self.topology(self.topology_inputs(batch[0]), embeddings)
+                self.log("train/topo_loss", topological)
+                loss = loss + self.hparams["topo_weight"] * topological
+            else:
+                rank_zero_warn("FaceRecognitionModule: a batch of one sample has no topological loss", once=True)
+        self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    def topology_inputs(self, images: Tensor) -> Tensor:
+        """The input space of the topological loss: the images, average-pooled to ``topo_input_size`` if set."""
+        size = self.hparams["topo_input_size"]
+        return images if size is None else F.adaptive_avg_pool2d(images, size)
 
     @override
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -195,3 +245,14 @@ class FaceRecognitionModule(LightningModule):
             torch.nn.utils.clip_grad_norm_(self.backbone.parameters(), gradient_clip_val)
         else:
             torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)
+
+
+def _check_topology_options(topo_weight: float, variant: str, topo_input_size: int | None, em_iterations: int) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"Unknown `topo_variant`={variant!r}; valid choices: {', '.join(VARIANTS)}")
+    if topo_weight < 0:
+        raise ValueError(f"`topo_weight`={topo_weight!r} must be ≥ 0 (0 leaves the topological loss out)")
+    if topo_input_size is not None and (not isinstance(topo_input_size, int) or topo_input_size < 1):
+        raise ValueError(f"`topo_input_size`={topo_input_size!r} must be None (the full images) or an int ≥ 1")
+    if isinstance(em_iterations, bool) or not isinstance(em_iterations, int) or em_iterations < 1:
+        raise ValueError(f"`em_iterations`={em_iterations!r} must be an int ≥ 1")

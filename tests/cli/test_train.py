@@ -37,6 +37,13 @@ def test_experiments_hold_the_published_settings(compose_train):
     cfg = compose_train("experiment=partialfc_r100_glint360k")
     assert (cfg.data.num_classes, cfg.model.sample_rate) == (360232, 0.1)
     assert list(compose_train("experiment=cosface_r50_ms1mv3").model.margin_list) == [1.0, 0.0, 0.4]
+    cfg = compose_train("experiment=topofr_r100")
+    assert (cfg.model.backbone, cfg.data.num_classes, cfg.data.batch_size) == ("r100", 85742, 128)
+    assert (cfg.model.topo_weight, cfg.model.hard_sample_weighting, list(cfg.model.margin_list)) == (
+        0.1,
+        True,
+        [1.0, 0.5, 0.0],
+    )
 
 
 def test_train_writes_metrics_and_a_resumable_checkpoint(compose_train, tmp_path):

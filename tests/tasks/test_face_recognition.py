@@ -207,3 +207,43 @@ def test_metric_options_reach_the_validation_metrics():
         _module(retrieval_options={"backend": "annoy"})
     with pytest.raises(ValueError, match="`folds`=1 must be an int ≥ 2"):
         _module(verification_options={"folds": 1})
+
+
+def test_topofr_training_step_adds_the_weighted_topological_loss():
+    from lightning_memopt.losses import TopologicalAlignmentLoss, hard_sample_probability, prediction_entropy
+
+    images, labels = next(iter(DataLoader(_clustered_faces(), batch_size=12)))
+    module = _module(topo_weight=0.1, topo_input_size=8, hard_sample_weighting=True, em_iterations=4)
+    loss = module.training_step((images, labels), 0)
+    embeddings = module.backbone(images)
+    per_sample, cosine, target = module.head(embeddings, labels, reduction="none")
+    weights = 1 + hard_sample_probability(prediction_entropy(cosine * 16.0), 4)
+    pooled = torch.nn.functional.adaptive_avg_pool2d(images, 8)
+    expected = (weights * per_sample).mean() + 0.1 * TopologicalAlignmentLoss()(pooled, embeddings)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    loss.backward()
+    assert all(p.grad is not None for p in module.backbone.parameters() if p.requires_grad)
+
+
+def test_topofr_run_logs_both_losses_and_warns_under_micro_batches(tmp_path):
+    from lightning_memopt import AdaptiveAccumulation
+
+    data = DataLoader(_clustered_faces(), batch_size=8)
+    trainer = _trainer(tmp_path, max_steps=2, callbacks=[AdaptiveAccumulation(micro_batch_size=4)])
+    with pytest.warns(UserWarning, match="change the topological alignment loss .spanning trees of the batch."):
+        trainer.fit(_module(topo_weight=0.1), data)
+    assert {"train/loss", "train/classification_loss", "train/topo_loss"} <= set(trainer.callback_metrics)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"topo_weight": -0.1}, r"`topo_weight`=-0.1 must be ≥ 0"),
+        ({"topo_variant": "bottleneck"}, r"Unknown `topo_variant`='bottleneck'; valid choices: diagram, symmetric"),
+        ({"topo_input_size": 0}, r"`topo_input_size`=0 must be None \(the full images\) or an int ≥ 1"),
+        ({"em_iterations": 0}, r"`em_iterations`=0 must be an int ≥ 1"),
+    ],
+)
+def test_bad_topology_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _module(**kwargs)

@@ -1,0 +1,183 @@
+"""TopoFR's topological alignment loss: minimum-spanning-tree edges of two distance matrices, in O(B²) memory."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+VARIANTS = ("diagram", "symmetric")
+_TINY = 1e-30  # keeps sqrt's gradient finite where a squared distance is (nearly) zero
+
+
+def pairwise_distances(points: Tensor) -> Tensor:
+    """``[B, B]`` Euclidean distances between the rows of ``points`` (``[B, ...]``, flattened), at least fp32.
+
+    Without gradient the distances are direct sums of squared differences (``torch.cdist``'s
+    non-matrix mode: exact for equal points, no ``B × B × D`` buffer). With gradient they come from
+    the Gram identity ``‖a‖² + ‖b‖² − 2 a·b`` on mean-centred rows, whose backward is two matrix
+    products; the square root's gradient is zero, not NaN, where two points coincide.
+
+    Example::
+
+        >>> pairwise_distances(torch.tensor([[0.0, 0.0], [3.0, 4.0]])).tolist()
+        [[0.0, 5.0], [5.0, 0.0]]
+    """
+    flat = _at_least_fp32(points.reshape(points.shape[0], -1))
+    if not flat.requires_grad:
+        return torch.cdist(flat[None], flat[None], compute_mode="donot_use_mm_for_euclid_dist")[0]
+    centred = flat - flat.mean(dim=0, keepdim=True).detach()
+    squared_norms = centred.pow(2).sum(dim=1)
+    squared = (squared_norms[:, None] + squared_norms[None, :] - 2 * centred @ centred.T).clamp_min(0)
+    squared = squared * (1 - torch.eye(flat.shape[0], device=flat.device, dtype=flat.dtype))  # exact zero diagonal
+    positive = squared > 0
+    return torch.where(positive, squared.clamp_min(_TINY).sqrt(), torch.zeros_like(squared))
+
+
+def minimum_spanning_tree(distances: Tensor) -> Tensor:
+    """The ``B − 1`` edges ``[B − 1, 2]`` (``i < j``) of the minimum spanning tree of a ``[B, B]`` distance matrix.
+
+    These are the persistence pairs of 0-dimensional Vietoris–Rips persistent homology: each edge
+    kills one connected component at its length. Prim's algorithm on the matrix's device, with
+    no transfer to the host: ``B − 1`` rounds of vector operations. Edges are ordered by
+    ``(length, i, j)``, and ties follow that order too, so the tree is the one Kruskal's algorithm
+    finds over edges sorted by ``(length, i, j)``; edges come out in that (Kruskal) order.
+
+    Raises:
+        ValueError: for a matrix that is not square ``[B, B]`` with ``B`` ≥ 2.
+
+    Example::
+
+        >>> points = torch.tensor([[0.0], [1.0], [3.0], [3.5]])
+        >>> minimum_spanning_tree(pairwise_distances(points)).tolist()
+        [[2, 3], [0, 1], [1, 2]]
+    """
+    if distances.dim() != 2 or distances.shape[0] != distances.shape[1] or distances.shape[0] < 2:
+        raise ValueError(f"`distances` {list(distances.shape)} must be a square [B, B] matrix with B ≥ 2")
+    distances = distances.detach()
+    size, device = distances.shape[0], distances.device
+    vertices = torch.arange(size, device=device)
+    in_tree = vertices == 0
+    best = distances[0].clone()  # the shortest edge from the tree to each vertex
+    best_from = torch.zeros(size, dtype=torch.long, device=device)  # and its end in the tree
+    edges = torch.empty(size - 1, 2, dtype=torch.long, device=device)
+    for step in range(size - 1):
+        key = _edge_key(best_from, vertices, size)
+        candidate = torch.where(in_tree, torch.inf, best)
+        shortest = candidate.min()
+        # the lowest (i, j) among equals; kept a one-element tensor: indexing with it never reads it on the host
+        chosen = torch.where(candidate == shortest, key, size * size).argmin().reshape(1)
+        edges[step] = torch.sort(torch.cat([best_from.index_select(0, chosen), chosen])).values
+        in_tree = in_tree | (vertices == chosen)
+        row = distances.index_select(0, chosen)[0]
+        new_key = _edge_key(chosen.expand(size), vertices, size)
+        closer = (row < best) | ((row == best) & (new_key < key))
+        best = torch.where(closer, row, best)
+        best_from = torch.where(closer, chosen.expand(size), best_from)
+    lengths = distances[edges[:, 0], edges[:, 1]]
+    order = _lexicographic_order(lengths, edges[:, 0] * size + edges[:, 1])
+    return edges[order]
+
+
+def _at_least_fp32(tensor: Tensor) -> Tensor:
+    """Half precision raised to fp32; fp32 and fp64 kept (fp64 for gradient checks)."""
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+
+
+def _edge_key(first: Tensor, second: Tensor, size: int) -> Tensor:
+    """``min · B + max`` of each pair: the order among edges of equal length."""
+    return torch.minimum(first, second) * size + torch.maximum(first, second)
+
+
+def _lexicographic_order(lengths: Tensor, keys: Tensor) -> Tensor:
+    """The permutation sorting by ``lengths``, then ``keys``: two stable sorts."""
+    by_key = torch.argsort(keys, stable=True)
+    return by_key[torch.argsort(lengths[by_key], stable=True)]
+
+
+def topological_alignment_loss(input_distances: Tensor, latent_distances: Tensor, variant: str = "diagram") -> Tensor:
+    """The signature loss between two ``[B, B]`` distance matrices, divided by ``B``.
+
+    - ``"symmetric"`` (Moor et al.): ``½‖A_X[π_X] − A_Z[π_X]‖² + ½‖A_Z[π_Z] − A_X[π_Z]‖²``, where
+      ``π`` is a space's minimum-spanning-tree edges and ``A`` its distances.
+    - ``"diagram"`` (TopoFR's default): ``‖A_X[π_X] − A_Z[π_Z]‖²``, the two trees' edge lengths
+      each in ascending (Kruskal) order, i.e. the 0-dimensional persistence diagrams' death times
+      matched in order.
+
+    Only ``latent_distances`` receives a gradient; ``input_distances`` is treated as a target.
+
+    Raises:
+        ValueError: for an unknown ``variant``, or matrices that are not both ``[B, B]`` with ``B`` ≥ 2.
+
+    Example::
+
+        >>> x = pairwise_distances(torch.tensor([[0.0], [1.0], [3.0]]))
+        >>> float(topological_alignment_loss(x, 2 * x))  # (1² + 2²) / 3 for each space's tree
+        1.6666666269302368
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"Unknown `variant`={variant!r}; valid choices: {', '.join(VARIANTS)}")
+    if input_distances.shape != latent_distances.shape:
+        raise ValueError(
+            f"`input_distances` {list(input_distances.shape)} and `latent_distances` "
+            f"{list(latent_distances.shape)} must describe the same batch"
+        )
+    size = input_distances.shape[0]
+    target = _at_least_fp32(input_distances.detach())
+    latent = _at_least_fp32(latent_distances)
+    input_edges = minimum_spanning_tree(target)
+    latent_edges = minimum_spanning_tree(latent)
+    input_rows, input_cols = input_edges[:, 0], input_edges[:, 1]
+    latent_rows, latent_cols = latent_edges[:, 0], latent_edges[:, 1]
+    if variant == "diagram":
+        difference = target[input_rows, input_cols] - latent[latent_rows, latent_cols]
+        return difference.pow(2).sum() / size
+    input_side = (target[input_rows, input_cols] - latent[input_rows, input_cols]).pow(2).sum()
+    latent_side = (latent[latent_rows, latent_cols] - target[latent_rows, latent_cols]).pow(2).sum()
+    return 0.5 * (input_side + latent_side) / size
+
+
+class TopologicalAlignmentLoss(nn.Module):
+    """TopoFR's topological structure alignment between a batch's inputs and its embeddings.
+
+    Both pairwise distance matrices are ``B × B`` (never ``B × B × D``), computed in fp32 with
+    autocast off, and both minimum spanning trees are built on the batch's device. The loss is
+    part of the ordinary graph: one ``backward`` frees it, no ``retain_graph``.
+
+    Args:
+        variant: ``"diagram"`` (TopoFR's default) or ``"symmetric"`` (Moor et al.); see
+            :func:`topological_alignment_loss`.
+
+    Raises:
+        ValueError: for an unknown ``variant``; in ``forward``, for batches of different sizes or
+            ``B`` < 2.
+
+    Example::
+
+        >>> loss = TopologicalAlignmentLoss()
+        >>> images, embeddings = torch.randn(8, 3, 16, 16), torch.randn(8, 32, requires_grad=True)
+        >>> value = loss(images, embeddings)
+        >>> value.backward()
+        >>> embeddings.grad.shape
+        torch.Size([8, 32])
+    """
+
+    def __init__(self, variant: str = "diagram") -> None:
+        super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError(f"Unknown `variant`={variant!r}; valid choices: {', '.join(VARIANTS)}")
+        self.variant = variant
+
+    def forward(self, inputs: Tensor, embeddings: Tensor) -> Tensor:
+        """The loss of ``inputs`` ``[B, ...]`` (the input space) against ``embeddings`` ``[B, ...]`` (latent)."""
+        if inputs.shape[0] != embeddings.shape[0] or inputs.shape[0] < 2:
+            raise ValueError(
+                f"`inputs` {list(inputs.shape)} and `embeddings` {list(embeddings.shape)} must share a batch "
+                "size B ≥ 2 (a spanning tree needs two points)"
+            )
+        with torch.autocast(device_type=embeddings.device.type, enabled=False):
+            input_distances = pairwise_distances(inputs.detach())
+            latent_distances = pairwise_distances(embeddings)
+            return topological_alignment_loss(input_distances, latent_distances, self.variant)
+
+    def extra_repr(self) -> str:
+        return f"variant={self.variant!r}"
