@@ -17,10 +17,13 @@ from lightning_memopt.callbacks import (
     TrainingSummary,
 )
 from lightning_memopt.models import create_model, list_models
+from lightning_memopt.strategies import MemoptDDPStrategy, MemoptFSDPStrategy  # registers the strategy names
 
 __all__ = [
     "ActivationCheckpointing",
     "AdaptiveAccumulation",
+    "MemoptDDPStrategy",
+    "MemoptFSDPStrategy",
     "MemoryMonitor",
     "PrecisionSwitch",
     "TrainingSummary",

@@ -44,7 +44,7 @@ def check_launch_fits_hydra_mode(trainer: pl.Trainer) -> None:
             f"`strategy=ddp` with {trainer.world_size} processes cannot run inside a Hydra multirun (-m): its "
             "worker processes re-run the command line and would start the sweep again. Use "
             "`trainer.strategy=ddp_spawn`, launch each job with torchrun, or sweep with a cluster launcher "
-            "(hydra/launcher=submitit_slurm)."
+            "(hydra/launcher=slurm)."
         )
 
 

@@ -7,6 +7,8 @@ from typing import Any
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_memopt.data.samplers import evaluation_sampler
+
 
 class LoaderDataModule(LightningDataModule):
     """Base of datamodules whose samples are dicts of tensors (batches then split along dim 0).
@@ -106,8 +108,16 @@ class LoaderDataModule(LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader | list:
-        """Validation batches in order, or ``[]`` (no validation) when there is no validation data."""
+        """Validation batches in order, or ``[]`` (no validation) when there is no validation data.
+
+        Under DDP each rank evaluates every world-size-th sample, so metrics count each sample once.
+        """
         dataset = self.val_dataset
         if dataset is None:
             return []
-        return DataLoader(dataset, batch_size=self.val_batch_size, shuffle=False, **self.loader_options)
+        return self.evaluation_loader(dataset)
+
+    def evaluation_loader(self, dataset: Dataset) -> DataLoader:
+        """Batches of ``dataset`` in order; under DDP each rank a share, each sample once (no padding)."""
+        sampler = evaluation_sampler(dataset)  # type: ignore[arg-type]
+        return DataLoader(dataset, batch_size=self.val_batch_size, sampler=sampler, **self.loader_options)

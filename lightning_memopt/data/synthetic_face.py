@@ -168,4 +168,4 @@ class SyntheticFaceDataModule(FaceDataModule):
         if not pairs:
             return samples
         pair_set = PairDataset(self.val_dataset, pairs)  # type: ignore[arg-type]
-        return [samples, DataLoader(pair_set, batch_size=self.val_batch_size, shuffle=False, **self.loader_options)]
+        return [samples, self.evaluation_loader(pair_set)]

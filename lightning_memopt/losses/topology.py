@@ -36,6 +36,8 @@ def pairwise_distances(points: Tensor) -> Tensor:
 def minimum_spanning_tree(distances: Tensor) -> Tensor:
     """The ``B − 1`` edges ``[B − 1, 2]`` (``i < j``) of the minimum spanning tree of a ``[B, B]`` distance matrix.
 
+    The matrix must be symmetric (as distances are); infinite distances are allowed.
+
     These are the persistence pairs of 0-dimensional Vietoris–Rips persistent homology: each edge
     kills one connected component at its length. Prim's algorithm on the matrix's device, with
     no transfer to the host: ``B − 1`` rounds of vector operations. Edges are ordered by
@@ -65,7 +67,7 @@ def minimum_spanning_tree(distances: Tensor) -> Tensor:
         candidate = torch.where(in_tree, torch.inf, best)
         shortest = candidate.min()
         # the lowest (i, j) among equals; kept a one-element tensor: indexing with it never reads it on the host
-        chosen = torch.where(candidate == shortest, key, size * size).argmin().reshape(1)
+        chosen = torch.where((candidate == shortest) & ~in_tree, key, size * size).argmin().reshape(1)
         edges[step] = torch.sort(torch.cat([best_from.index_select(0, chosen), chosen])).values
         in_tree = in_tree | (vertices == chosen)
         row = distances.index_select(0, chosen)[0]

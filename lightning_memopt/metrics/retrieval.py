@@ -165,13 +165,19 @@ class KNNRetrieval(Metric):
 
         Errors are decided on the agreed values, so every rank raises the same one and none waits.
         """
-        local = [max((e.shape[1] for e in self.query_embeddings + self.reference_embeddings), default=0)]
+        sizes = {e.shape[1] for e in self.query_embeddings + self.reference_embeddings}
+        local = [max(sizes, default=0), -min(sizes, default=_NO_SIZE)]  # the largest and (negated) smallest D
         for prefix in _SETS:
             updates, indexed = len(getattr(self, f"{prefix}_embeddings")), len(getattr(self, f"{prefix}_indices"))
             local += [int(updates > 0), int(indexed > 0), int(indexed < updates)]
-        dimension, queries, query_indexed, query_plain, references, reference_indexed, reference_plain = max_over_ranks(
-            local, self.process_group, device
-        )
+        agreed = max_over_ranks(local, self.process_group, device)
+        dimension, smallest = agreed[0], -agreed[1]
+        queries, query_indexed, query_plain, references, reference_indexed, reference_plain = agreed[2:]
+        if dimension and smallest != dimension:
+            raise ValueError(
+                f"KNNRetrieval got embeddings of sizes {smallest} and {dimension} (over all updates and ranks): "
+                "every embedding must have the same size"
+            )
         if not queries:
             raise ValueError("KNNRetrieval.compute() before any update: there are no query embeddings")
         for prefix, indexed, plain in (("query", query_indexed, query_plain), ("reference", reference_indexed,
@@ -198,3 +204,4 @@ class KNNRetrieval(Metric):
 
 
 _SETS = ("query", "reference")
+_NO_SIZE = 2**62  # a rank without embeddings: no smallest size

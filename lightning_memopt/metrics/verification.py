@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_memopt.metrics.functional.verification import tar_at_far, verification_accuracy
 
@@ -93,10 +94,19 @@ class FaceVerification(Metric):
                 )
             self.indices.append(pair_indices.detach().long())
 
+    def _sync_dist(self, dist_sync_fn: Callable = gather_all_tensors, process_group: Any | None = None) -> None:
+        """A rank without pairs sends empty states of their own dtypes (torchmetrics would send fp32 for all)."""
+        for name, dtype in (("scores", torch.float32), ("same", torch.bool), ("indices", torch.long)):
+            state = getattr(self, name)
+            if isinstance(state, list) and not state:
+                state.append(torch.zeros(0, dtype=dtype, device=self.device))
+        super()._sync_dist(dist_sync_fn, process_group)
+
     def compute(self) -> dict[str, float]:
-        if isinstance(self.scores, list) and not self.scores:  # (after a DDP sync: one gathered tensor)
+        scores = dim_zero_cat(self.scores).cpu() if not isinstance(self.scores, list) or self.scores else None
+        if scores is None or scores.numel() == 0:  # (after a DDP sync the states are gathered tensors)
             raise ValueError("FaceVerification.compute() before any update: there are no pairs")
-        scores, same = dim_zero_cat(self.scores).cpu(), dim_zero_cat(self.same).cpu()
+        same = dim_zero_cat(self.same).cpu()
         indices = dim_zero_cat(self.indices) if not isinstance(self.indices, list) or self.indices else None
         if indices is not None and indices.numel():  # (none given: an empty list, or an empty tensor after a sync)
             scores, same = _in_list_order(indices.cpu(), scores, same)

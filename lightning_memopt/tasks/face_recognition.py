@@ -22,6 +22,7 @@ from lightning_memopt.losses import (
 )
 from lightning_memopt.losses.topology import VARIANTS
 from lightning_memopt.metrics import FaceVerification, KNNRetrieval
+from lightning_memopt.metrics.sharded import communication_device, is_distributed, max_over_ranks
 from lightning_memopt.models import create_model
 from lightning_memopt.tasks.lr_schedule import clip_sharded_root, step_scheduler, warmup_decay
 
@@ -195,9 +196,11 @@ class FaceRecognitionModule(LightningModule):
         """Log retrieval (precision@1, R-precision, MAP@R) and verification (accuracy, TAR@FAR) over the epoch."""
         values: dict[str, float] = {}
         if not self.trainer.sanity_checking:
-            if self.val_retrieval.update_called:
+            # on every rank if any rank has data: the metrics' collectives need all ranks, empty ones too
+            retrieval, verification = self._updated_on_any_rank(self.val_retrieval, self.val_verification)
+            if retrieval:
                 values.update(self._computed(self.val_retrieval, "retrieval"))
-            if self.val_verification.update_called:
+            if verification:
                 computed = self._computed(self.val_verification, "verification")
                 values.update({f"verification_{name}": value for name, value in computed.items()})
         for metric in (self.val_retrieval, self.val_verification):
@@ -205,6 +208,11 @@ class FaceRecognitionModule(LightningModule):
         if values:
             # every rank holds the same values: the metrics gathered or all-reduced what they needed
             self.log_dict({f"val/{name}": value for name, value in values.items()}, add_dataloader_idx=False)
+
+    def _updated_on_any_rank(self, *metrics: Any) -> list[bool]:
+        updated = [int(metric.update_called) for metric in metrics]
+        device = communication_device(fallback=self.device) if is_distributed() else None
+        return [bool(flag) for flag in max_over_ranks(updated, device=device)]
 
     def _computed(self, metric: Any, kind: str) -> dict[str, float]:
         try:

@@ -111,3 +111,19 @@ def test_every_trainer_side_config_runs_two_tiny_steps(compose_train, group, opt
 @pytest.mark.parametrize(("group", "option"), _all(["sweep", "paths", "experiment"]))
 def test_every_other_config_composes(compose_train, group, option):
     assert compose_train(f"{group}={option}").model.backbone
+
+
+def test_the_slurm_launcher_composes_with_submitit(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[f"paths.output_dir={tmp_path}", "hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
+            return_hydra_config=True,
+        )
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert (launcher.partition, launcher.tasks_per_node, launcher.gpus_per_node) == ("gpu", 1, 1)
+    assert launcher.signal_delay_s == 120

@@ -9,8 +9,9 @@ from lightning_memopt.losses import hard_sample_probability, prediction_entropy
 def reference_em(values, iterations):
     """The Gaussian–uniform EM in plain Python floats."""
     low, high = min(values), max(values)
+    floor = (1e-3 * (high - low)) ** 2
     weight, mean = 0.5, sum(values) / len(values)
-    variance = sum((v - mean) ** 2 for v in values) / len(values)
+    variance = max(sum((v - mean) ** 2 for v in values) / len(values), floor)
     for _ in range(iterations):
         gaussian = [weight * math.exp(-0.5 * (v - mean) ** 2 / variance) / math.sqrt(2 * math.pi * variance)
                     for v in values]  # fmt: skip
@@ -19,8 +20,8 @@ def reference_em(values, iterations):
         total = sum(responsibility)
         weight = total / len(values)
         mean = sum(r * v for r, v in zip(responsibility, values, strict=True)) / total
-        variance = sum(r * (v - mean) ** 2 for r, v in zip(responsibility, values, strict=True)) / total
-    return [1 - r for r in responsibility]
+        variance = max(sum(r * (v - mean) ** 2 for r, v in zip(responsibility, values, strict=True)) / total, floor)
+    return [1 - r if v > mean else 0.0 for r, v in zip(responsibility, values, strict=True)]
 
 
 def entropies(seed=0):
@@ -54,8 +55,18 @@ def test_entropy_is_shannons_and_carries_no_gradient():
     assert prediction_entropy(torch.zeros(2, 8)).tolist() == pytest.approx([math.log(8)] * 2)
 
 
-def test_equal_values_do_not_divide_by_zero():
-    assert torch.isfinite(hard_sample_probability(torch.full((5,), 0.3))).all()
+def test_equal_values_are_all_easy_and_a_tight_bulk_stays_easy():
+    assert hard_sample_probability(torch.full((5,), 0.3)).tolist() == [0.0] * 5
+    tight = torch.cat([torch.zeros(127), torch.tensor([1e-3])])  # all confident, one a little less
+    probability = hard_sample_probability(tight)
+    assert probability[:127].max() < 1e-3 and probability[127] > 0.99
+
+
+def test_very_confident_outliers_are_not_hard():
+    values = torch.cat([entropies(2), torch.tensor([-5.0, -4.0])])  # far below the bulk
+    probability = hard_sample_probability(values)
+    assert probability[-2:].tolist() == [0.0, 0.0]
+    assert probability[120:132].min() > 0.99
 
 
 @pytest.mark.parametrize(

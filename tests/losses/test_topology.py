@@ -159,3 +159,9 @@ def test_on_cuda_the_loss_matches_the_cpu_and_never_synchronises():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert loss.item() == pytest.approx(expected.item(), rel=1e-4)
+
+
+def test_infinite_distances_still_give_a_spanning_set_of_distinct_edges():
+    inf = float("inf")
+    distances = torch.tensor([[0.0, inf, 1.0], [inf, 0.0, inf], [1.0, inf, 0.0]])
+    assert minimum_spanning_tree(distances).tolist() == [[0, 2], [0, 1]]

@@ -49,7 +49,12 @@ def run(rank: int, out_dir: str, port: int) -> None:
         mixed.compute()
     except ValueError as error:
         result["mixed"] = str(error)
+    lonely_pairs = FaceVerification(folds=5, far_targets=(0.1,))  # rank 1 saw no pair
+    if rank == 0:
+        lonely_pairs.update(embeddings[pairs], embeddings[(pairs + 7) % 301], first_labels=labels[pairs],
+                            second_labels=labels[(pairs + 7) % 301], pair_indices=pairs)  # fmt: skip
     result.update(padded=padded.compute(), lonely=lonely.compute(), one_sided=one_sided.compute())
+    result["lonely_pairs"] = lonely_pairs.compute()
     torch.save(result, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 

@@ -117,6 +117,13 @@ def test_compute_memory_is_bounded():
     assert tracker.peak.total_bytes < 2_000_000 + 2000 * 32 * 4 * 2 + 2000 * 8 * 4
 
 
+def two_sizes():
+    metric = KNNRetrieval()
+    metric.update(torch.randn(4, 2), torch.zeros(4).long())
+    metric.update(torch.randn(4, 3), torch.zeros(4).long(), reference=True)
+    return metric
+
+
 def mixed_indices():
     metric = KNNRetrieval()
     metric.update(torch.randn(4, 2), torch.zeros(4).long(), indices=torch.arange(4))
@@ -157,6 +164,7 @@ def test_indices_count_a_repeated_sample_once():
             r"`indices` \[3\] \(torch.int64\) must be \[B\] integer",
         ),  # fmt: skip
         (lambda: mixed_indices().compute(), "`indices` were given with some query updates and not others"),
+        (lambda: two_sizes().compute(), "embeddings of sizes 2 and 3 .over all updates and ranks."),
     ],
 )
 def test_bad_input(build, message):
@@ -188,6 +196,11 @@ def test_two_ranks_give_the_single_process_result(tmp_path):
             second_labels=labels[(pairs + 7) % 301],
         )
         assert rank["verification"] == pytest.approx(single_verification.compute(), abs=1e-12)
+        rank_zero_pairs = FaceVerification(folds=5, far_targets=(0.1,))
+        even = torch.arange(0, 300, 2)
+        rank_zero_pairs.update(embeddings[even], embeddings[(even + 7) % 301], first_labels=labels[even],
+                               second_labels=labels[(even + 7) % 301])  # fmt: skip
+        assert rank["lonely_pairs"] == pytest.approx(rank_zero_pairs.compute(), abs=1e-12)
 
 
 def test_a_budget_caps_a_given_chunk_and_sync_options_are_refused():

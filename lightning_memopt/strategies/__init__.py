@@ -1,0 +1,39 @@
+"""Registered strategy names: ``Trainer(strategy="ddp_powersgd")`` once ``lightning_memopt`` is imported.
+
+Example::
+
+    >>> import lightning_memopt
+    >>> from lightning.pytorch.strategies import StrategyRegistry
+    >>> "ddp_powersgd" in StrategyRegistry and "fsdp_memopt" in StrategyRegistry
+    True
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_memopt.strategies.comm_hooks import COMM_HOOKS, comm_hook
+from lightning_memopt.strategies.ddp import POWERSGD_KEY, MemoptDDPStrategy
+from lightning_memopt.strategies.fsdp import MemoptFSDPStrategy, mixed_precision_policy
+
+__all__ = [
+    "COMM_HOOKS",
+    "POWERSGD_KEY",
+    "MemoptDDPStrategy",
+    "MemoptFSDPStrategy",
+    "comm_hook",
+    "mixed_precision_policy",
+]
+
+_DDP_PRESETS = {
+    "ddp_memopt": ("DDP with gradient buckets as views, static graph under activation checkpointing", "none"),
+    "ddp_powersgd": ("ddp_memopt + PowerSGD gradient compression (rank 1, error feedback)", "powersgd"),
+    "ddp_fp16_compress": ("ddp_memopt + gradients all-reduced in fp16", "fp16"),
+    "ddp_bf16_compress": ("ddp_memopt + gradients all-reduced in bf16", "bf16"),
+}
+for _name, (_description, _hook) in _DDP_PRESETS.items():
+    StrategyRegistry.register(_name, MemoptDDPStrategy, description=_description, override=True, comm_hook=_hook)
+StrategyRegistry.register(
+    "fsdp_memopt",
+    MemoptFSDPStrategy,
+    description="FSDP: full sharding per ViT block, preset activation checkpointing, bf16 compute",
+    override=True,
+)

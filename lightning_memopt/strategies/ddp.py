@@ -1,0 +1,128 @@
+"""MemoptDDPStrategy: DDP with buckets as views, compression on any backend, PowerSGD state in checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_memopt.checkpointing import checkpoint_mode
+from lightning_memopt.strategies.comm_hooks import COMM_HOOKS, check_powersgd_options, comm_hook
+
+POWERSGD_KEY = "memopt_powersgd"  # checkpoint entry: one PowerSGD state per rank
+
+
+class MemoptDDPStrategy(DDPStrategy):
+    """DDP configured for memory: gradient buckets as views, static graph under checkpointing, compressed all-reduce.
+
+    - ``gradient_as_bucket_view=True``: gradients live in DDP's communication buckets, saving
+      one copy of the gradients.
+    - ``static_graph``: on when activation checkpointing is active on the module (``None``, the
+      default, decides at setup), so DDP knows each parameter's gradient arrives once per step.
+    - ``comm_hook``: ``"none"`` (DDP's C++ all-reduce), ``"allreduce"`` (the same in Python),
+      ``"fp16"`` / ``"bf16"`` (half-precision all-reduce) or ``"powersgd"`` (rank-``powersgd_rank``
+      factors after ``powersgd_warmup`` iterations, with error feedback). Registered on every
+      device, CPU / gloo included; Lightning's own DDP registers hooks on CUDA only.
+    - PowerSGD's state (each rank's error feedback, the warm-start factors, the iteration) is saved
+      in checkpoints under ``"memopt_powersgd"`` and restored on resume with the same world size.
+
+    Registered names: ``ddp_memopt``, ``ddp_powersgd``, ``ddp_fp16_compress``, ``ddp_bf16_compress``.
+
+    Raises:
+        MisconfigurationException: for an unknown ``comm_hook`` or a bad PowerSGD option.
+
+    Example::
+
+        >>> strategy = MemoptDDPStrategy(comm_hook="powersgd", powersgd_rank=2, powersgd_warmup=100)
+        >>> strategy.comm_hook_name, strategy._ddp_kwargs["gradient_as_bucket_view"]
+        ('powersgd', True)
+    """
+
+    def __init__(
+        self,
+        comm_hook: str = "none",
+        powersgd_rank: int = 1,
+        powersgd_warmup: int = 1000,
+        error_feedback: bool = True,
+        static_graph: bool | None = None,
+        gradient_as_bucket_view: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if comm_hook not in COMM_HOOKS:
+            raise MisconfigurationException(
+                f"Unknown `comm_hook`={comm_hook!r}; valid choices: {', '.join(COMM_HOOKS)}"
+            )
+        try:
+            check_powersgd_options(powersgd_rank, powersgd_warmup, error_feedback)
+        except ValueError as error:
+            raise MisconfigurationException(str(error)) from None
+        if kwargs.get("ddp_comm_hook") is not None:
+            raise MisconfigurationException(
+                "MemoptDDPStrategy registers its hook by name: give `comm_hook`, not `ddp_comm_hook`"
+            )
+        super().__init__(gradient_as_bucket_view=gradient_as_bucket_view, **kwargs)
+        self.comm_hook_name, self.static_graph = comm_hook, static_graph
+        self._powersgd_options: dict[str, Any] = {
+            "powersgd_rank": powersgd_rank,
+            "powersgd_warmup": powersgd_warmup,
+            "error_feedback": error_feedback,
+        }
+        self.comm_state: Any = None
+        self.comm_hook: Any = None
+        self._saved_powersgd: list[dict[str, Any]] | None = None
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        static = self.static_graph
+        if static is None:
+            static = any(checkpoint_mode(module) is not None for module in model.modules())
+            if static:
+                rank_zero_info("MemoptDDPStrategy: activation checkpointing is active, so DDP runs with static_graph")
+        self._ddp_kwargs["static_graph"] = static
+        return super()._setup_model(model)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        """Register the named hook on any device (Lightning's DDP skips non-CUDA devices)."""
+        assert isinstance(self.model, DistributedDataParallel)
+        self.comm_state, self.comm_hook = comm_hook(self.comm_hook_name, self.model.module, **self._powersgd_options)
+        if self.comm_hook is None:
+            return
+        if self.comm_hook_name == "powersgd" and self._saved_powersgd is not None:
+            self._restore_powersgd()
+        self.model.register_comm_hook(self.comm_state, self.comm_hook)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Add every rank's PowerSGD state (gathered on rank 0), then save as usual."""
+        if self.comm_hook_name == "powersgd" and self.comm_hook is not None:
+            states: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
+            dist.gather_object(self.comm_hook.state_dict(), states, dst=0)
+            if self.is_global_zero:
+                checkpoint = {**checkpoint, POWERSGD_KEY: states}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._saved_powersgd = checkpoint.get(POWERSGD_KEY)
+        return checkpoint
+
+    def _restore_powersgd(self) -> None:
+        saved = self._saved_powersgd
+        assert saved is not None
+        self._saved_powersgd = None
+        if len(saved) != self.world_size:
+            rank_zero_warn(
+                f"MemoptDDPStrategy: the checkpoint holds PowerSGD states of {len(saved)} ranks, this run has "
+                f"{self.world_size}: PowerSGD starts afresh (its warm-up and error feedback from zero)"
+            )
+            return
+        self.comm_hook.load_state_dict(saved[self.global_rank])

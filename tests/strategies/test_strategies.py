@@ -1,0 +1,136 @@
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+from lightning_memopt.data.samplers import ShardedEvaluationSampler, evaluation_sampler
+from lightning_memopt.models.vit import ViTBlock
+from lightning_memopt.strategies import MemoptDDPStrategy, MemoptFSDPStrategy, comm_hook, mixed_precision_policy
+from lightning_memopt.strategies.powersgd_state import ResumablePowerSGD
+from tests.helpers import run_script
+
+
+@pytest.mark.parametrize(
+    ("name", "hook"),
+    [
+        ("ddp_memopt", "none"),
+        ("ddp_powersgd", "powersgd"),
+        ("ddp_fp16_compress", "fp16"),
+        ("ddp_bf16_compress", "bf16"),
+    ],
+)
+def test_registered_names_build_the_presets(name, hook):
+    strategy = StrategyRegistry.get(name)
+    assert isinstance(strategy, MemoptDDPStrategy) and strategy.comm_hook_name == hook
+    assert strategy._ddp_kwargs["gradient_as_bucket_view"] is True
+
+
+def test_the_fsdp_preset_shards_per_vit_block_and_checkpoints_the_preset_blocks():
+    strategy = StrategyRegistry.get("fsdp_memopt")
+    assert isinstance(strategy, MemoptFSDPStrategy)
+    assert strategy.sharding_strategy.name == "FULL_SHARD"
+    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {ViTBlock}
+    assert ViTBlock in strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._module_classes
+    policy = strategy.mixed_precision
+    assert (policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype) == (
+        torch.bfloat16,
+        torch.float32,
+        torch.float32,
+    )
+    assert mixed_precision_policy("fp32") is None
+    assert MemoptFSDPStrategy(checkpointing=False)._activation_checkpointing_kwargs == {}
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: MemoptDDPStrategy(comm_hook="zip"),
+            r"Unknown `comm_hook`='zip'; valid choices: none, allreduce, fp16",
+        ),
+        (lambda: MemoptDDPStrategy(powersgd_rank=0), r"`powersgd_rank`=0 must be an int ≥ 1"),
+        (lambda: MemoptDDPStrategy(powersgd_warmup=1), r"`powersgd_warmup`=1 must be an int ≥ 2"),
+        (lambda: MemoptDDPStrategy(ddp_comm_hook=print), "give `comm_hook`, not `ddp_comm_hook`"),
+        (lambda: MemoptFSDPStrategy(param_dtype="fp8"), r"Unknown `param_dtype`='fp8'; valid choices: bf16, fp16"),
+    ],
+)
+def test_bad_input(build, message):
+    with pytest.raises(MisconfigurationException, match=message):
+        build()
+
+
+def test_comm_hook_by_name():
+    model = torch.nn.Linear(3, 2)
+    assert comm_hook("none", model) == (None, None)
+    assert comm_hook("bf16", model)[1].__name__ == "bfloat16_allreduce_hook"
+    state, hook = comm_hook("powersgd", model, powersgd_rank=3, powersgd_warmup=10, error_feedback=False)
+    assert (state.matrix_approximation_rank, state.start_powerSGD_iter, state.use_error_feedback) == (3, 10, False)
+    assert isinstance(hook, ResumablePowerSGD) and hook.state is state
+    with pytest.raises(ValueError, match=r"Unknown `comm_hook`='int8'"):
+        comm_hook("int8", model)
+
+
+def test_powersgd_state_moves_between_bucket_layouts_through_a_weights_only_checkpoint(tmp_path):
+    """Saved from buckets [w1 b1 | w0 b0], placed again into one bucket [b0 w0 b1 w1]."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 5))  # w0 [6, 8] b0 w1 [5, 6] b1
+    state = powersgd.PowerSGDState(process_group=None, start_powerSGD_iter=2, random_seed=3)
+    saved_hook = ResumablePowerSGD(state, model)
+    saved_hook.layouts = {0: (2, 3), 1: (0, 1)}
+    errors = {i: torch.randn(p.numel()) for i, p in enumerate(model.parameters())}
+    state.error_dict = {0: torch.cat([errors[2], errors[3]]), 1: torch.cat([errors[0], errors[1]])}
+    p_pieces, q_pieces = {0: torch.randn(6), 2: torch.randn(5)}, {0: torch.randn(8), 2: torch.randn(6)}  # rank 1
+    state.p_memory_dict, state.q_memory_dict = {0: p_pieces[2], 1: p_pieces[0]}, {0: q_pieces[2], 1: q_pieces[0]}
+    state.iter = 7
+    state.rng.random_sample(5)
+    torch.save(saved_hook.state_dict(), tmp_path / "state.pt")
+    restored = ResumablePowerSGD(powersgd.PowerSGDState(None, start_powerSGD_iter=2, random_seed=0), model)
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    restored._place(0, (1, 0, 3, 2), torch.zeros(1))
+    placed = restored.state
+    assert torch.equal(placed.error_dict[0], torch.cat([errors[1], errors[0], errors[3], errors[2]]))
+    assert torch.equal(placed.p_memory_dict[0], torch.cat([p_pieces[0], p_pieces[2]]))
+    assert torch.equal(placed.q_memory_dict[0], torch.cat([q_pieces[0], q_pieces[2]]))
+    assert placed.iter == 7 and restored._pending is None
+    assert placed.rng.random_sample(3).tolist() == state.rng.random_sample(3).tolist()
+
+
+@pytest.mark.parametrize("size", [0, 1, 5, 7, 12])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_the_evaluation_sampler_deals_each_sample_once(size, world):
+    shards = [list(ShardedEvaluationSampler(range(size), num_replicas=world, rank=rank)) for rank in range(world)]
+    assert sorted(index for shard in shards for index in shard) == list(range(size))
+    assert [len(ShardedEvaluationSampler(range(size), num_replicas=world, rank=r)) for r in range(world)] == [
+        len(shard) for shard in shards
+    ]
+    assert evaluation_sampler(range(size)) is None  # no process group here: in order
+
+
+@pytest.mark.distributed
+def test_two_ranks_train_with_every_preset(tmp_path):
+    script = Path(__file__).with_name("strategies_ddp_run.py")
+    result = run_script(script, [str(tmp_path)], cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    for key, value in ranks[0].items():  # the ranks agree on everything
+        if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+            assert all(torch.equal(a, b) for a, b in zip(value, ranks[1][key], strict=True)), key
+
+    def distance(key, other="ddp"):
+        return max((a - b).abs().max().item() for a, b in zip(ranks[0][key], ranks[0][other], strict=True))
+
+    assert ranks[0]["ddp_memopt/strategy"] == "MemoptDDPStrategy"
+    assert distance("ddp_memopt") == 0.0  # buckets as views change nothing
+    assert 0 < distance("ddp_fp16_compress") < 1e-3  # half precision on the wire: close, not equal
+    assert 0 < distance("ddp_bf16_compress") < 1e-2
+    assert distance("powersgd_lossless") < 1e-6  # a rank too high to compress: plain all-reduce
+    iterations, before, after = ranks[0]["powersgd/compressed"]
+    assert iterations == 12 and after < before / 5  # rank 1 compressed the matrices
+    assert distance("powersgd_resumed", "powersgd") < 1e-6  # error feedback and factors restored
+    assert distance("powersgd_stripped", "powersgd") > 1e-4  # without them the run differs
+    assert ranks[0]["checkpoint_states"] == 2
+    assert ranks[0]["checkpointed/static_graph"] is True and distance("checkpointed") < 1e-6
+    seen = ranks[0]["validation_seen"] + ranks[1]["validation_seen"]
+    assert sorted(seen) == list(range(11))  # 11 samples on 2 ranks: none repeated
