@@ -134,3 +134,26 @@ def test_two_ranks_train_with_every_preset(tmp_path):
     assert ranks[0]["checkpointed/static_graph"] is True and distance("checkpointed") < 1e-6
     seen = ranks[0]["validation_seen"] + ranks[1]["validation_seen"]
     assert sorted(seen) == list(range(11))  # 11 samples on 2 ranks: none repeated
+
+
+@pytest.mark.cuda
+def test_fsdp_memopt_trains_the_sapiens_preset_on_a_gpu(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from lightning_memopt.data.synthetic_normals import SyntheticNormalsDataset
+    from lightning_memopt.tasks import NormalEstimationModule
+    from tests.helpers import quiet_trainer
+
+    module = NormalEstimationModule(backbone="sapiens_tiny", lr=2e-3, warmup_steps=0, schedule="constant")
+    loader = DataLoader(SyntheticNormalsDataset(4, (64, 48), seed=0), batch_size=2)
+    trainer = quiet_trainer(
+        accelerator="cuda", devices=1, strategy="fsdp_memopt", max_steps=2, default_root_dir=tmp_path
+    )
+    trainer.fit(module, loader)
+    wrapped = [
+        name
+        for name, child in trainer.strategy.model.named_modules()
+        if type(child).__name__.endswith("FullyShardedDataParallel")
+    ]
+    assert len(wrapped) > 1  # the root and one unit per ViT block
+    assert torch.isfinite(torch.tensor(trainer.callback_metrics["train/loss"].item()))
