@@ -13,8 +13,9 @@ class ShardedEvaluationSampler(DistributedSampler):
 
     Lightning's default ``DistributedSampler`` pads the dataset to a multiple of ``W`` with repeats,
     which counts them twice in validation metrics. Ranks here may get one sample (and one batch)
-    fewer; evaluation has no per-batch collectives, so that is safe. Being a ``DistributedSampler``,
-    Lightning keeps it instead of inserting its own.
+    fewer: evaluation has no per-batch collectives, and Lightning weighs epoch means by batch size
+    over the ranks. Every rank needs a batch, though (see :func:`evaluation_sampler`). Being a
+    ``DistributedSampler``, Lightning keeps it instead of inserting its own.
 
     Example::
 
@@ -32,7 +33,12 @@ class ShardedEvaluationSampler(DistributedSampler):
 
 
 def evaluation_sampler(dataset: Sized) -> ShardedEvaluationSampler | None:
-    """A :class:`ShardedEvaluationSampler` while a multi-rank process group runs, else ``None`` (in order)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    """A :class:`ShardedEvaluationSampler` while a multi-rank process group runs, else ``None``.
+
+    ``None`` means in order on one device, and under DDP Lightning's padding sampler: that is kept
+    for a set smaller than the world size, where some rank would get no batch, skip the loop, and
+    leave the others waiting in its end-of-epoch collectives.
+    """
+    if dist.is_available() and dist.is_initialized() and 1 < dist.get_world_size() <= len(dataset):
         return ShardedEvaluationSampler(dataset)
     return None

@@ -32,6 +32,8 @@ class MemoptDDPStrategy(DDPStrategy):
       device, CPU / gloo included; Lightning's own DDP registers hooks on CUDA only.
     - PowerSGD's state (each rank's error feedback, the warm-start factors, the iteration) is saved
       in checkpoints under ``"memopt_powersgd"`` and restored on resume with the same world size.
+      Each rank's error feedback is a copy of its gradients, so a checkpoint grows by world size ×
+      the model's fp32 size; rank 0 holds them in host memory while saving.
 
     Registered names: ``ddp_memopt``, ``ddp_powersgd``, ``ddp_fp16_compress``, ``ddp_bf16_compress``.
 
@@ -63,10 +65,12 @@ class MemoptDDPStrategy(DDPStrategy):
             check_powersgd_options(powersgd_rank, powersgd_warmup, error_feedback)
         except ValueError as error:
             raise MisconfigurationException(str(error)) from None
-        if kwargs.get("ddp_comm_hook") is not None:
-            raise MisconfigurationException(
-                "MemoptDDPStrategy registers its hook by name: give `comm_hook`, not `ddp_comm_hook`"
-            )
+        for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
+            if kwargs.get(name) is not None:
+                raise MisconfigurationException(
+                    f"MemoptDDPStrategy registers its hook by name: give `comm_hook` (one of "
+                    f"{', '.join(COMM_HOOKS)}), not `{name}`"
+                )
         super().__init__(gradient_as_bucket_view=gradient_as_bucket_view, **kwargs)
         self.comm_hook_name, self.static_graph = comm_hook, static_graph
         self._powersgd_options: dict[str, Any] = {
@@ -76,6 +80,7 @@ class MemoptDDPStrategy(DDPStrategy):
         }
         self.comm_state: Any = None
         self.comm_hook: Any = None
+        self._object_group: Any = None  # gloo: PowerSGD states gathered in host memory, also under NCCL
         self._saved_powersgd: list[dict[str, Any]] | None = None
 
     @override
@@ -95,16 +100,21 @@ class MemoptDDPStrategy(DDPStrategy):
         self.comm_state, self.comm_hook = comm_hook(self.comm_hook_name, self.model.module, **self._powersgd_options)
         if self.comm_hook is None:
             return
-        if self.comm_hook_name == "powersgd" and self._saved_powersgd is not None:
-            self._restore_powersgd()
+        if self.comm_hook_name == "powersgd":
+            self._object_group = dist.new_group(backend="gloo")  # every rank, at the same point
+            if self._saved_powersgd is not None:
+                self._restore_powersgd()
         self.model.register_comm_hook(self.comm_state, self.comm_hook)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Add every rank's PowerSGD state (gathered on rank 0), then save as usual."""
-        if self.comm_hook_name == "powersgd" and self.comm_hook is not None:
+        """Add every rank's PowerSGD state (gathered on rank 0 over gloo, in host memory), then save as usual.
+
+        Weights-only checkpoints (no optimizer state) leave it out.
+        """
+        if self.comm_hook_name == "powersgd" and self.comm_hook is not None and "optimizer_states" in checkpoint:
             states: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
-            dist.gather_object(self.comm_hook.state_dict(), states, dst=0)
+            dist.gather_object(self.comm_hook.state_dict(), states, dst=0, group=self._object_group)
             if self.is_global_zero:
                 checkpoint = {**checkpoint, POWERSGD_KEY: states}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -114,6 +124,11 @@ class MemoptDDPStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._saved_powersgd = checkpoint.get(POWERSGD_KEY)
         return checkpoint
+
+    @override
+    def teardown(self) -> None:
+        self._saved_powersgd = None  # a state loaded by validate / test must not reach a later fit
+        super().teardown()
 
     def _restore_powersgd(self) -> None:
         saved = self._saved_powersgd

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
@@ -23,8 +24,8 @@ class ResumablePowerSGD:
     """``powerSGD_hook`` that remembers each bucket's parameters, with a state dict per parameter.
 
     When DDP rebuilds its buckets (after its first iteration), the state is carried over to the
-    new layout the same way. On the CPU (gloo) each bucket's communication finishes before the
-    next bucket's starts, so the ranks issue their collectives in one order.
+    new layout the same way. Off NCCL (gloo) each bucket's communication finishes before the next
+    bucket's starts, so the ranks issue their collectives in one order.
 
     Register it with its ``state``: ``ddp.register_comm_hook(hook.state, hook)``.
 
@@ -54,7 +55,7 @@ class ResumablePowerSGD:
         if self._pending is not None:
             self._place(index, layout, bucket.buffer())
         future = powersgd.powerSGD_hook(state, bucket)
-        if bucket.buffer().device.type == "cpu":
+        if bucket.buffer().device.type == "cpu" or "nccl" not in str(dist.get_backend(state.process_group)):
             # gloo runs the second all-reduce (Q) from its own thread: without a wait, two buckets'
             # collectives can interleave in a different order on each rank
             future.wait()
@@ -106,16 +107,20 @@ class ResumablePowerSGD:
             self._pending = None
 
     def _compressed(self, layout: tuple[int, ...]) -> list[tuple[int, int, int]]:
-        """``(position, P size, Q size)`` of the parameters PowerSGD compresses, in bucket order (its own test)."""
-        found = []
+        """``(position, P size, Q size)`` of the parameters PowerSGD compresses, in the order of its P / Q buffers.
+
+        The same test as torch's hook; like it, the matrices are grouped by shape (groups in order
+        of first appearance), each group in bucket order.
+        """
+        groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         for index in layout:
             shape = self.shapes[index]
             rows = shape[0] if shape else 1
             columns = _numel(shape) // max(rows, 1)
             rank = min(rows, columns, self.state.matrix_approximation_rank)
             if powersgd._should_compress(rows, columns, rank, self.state.min_compression_rate)[0]:
-                found.append((index, rows * rank, columns * rank))
-        return found
+                groups.setdefault((rows, columns), []).append((index, rows * rank, columns * rank))
+        return [entry for group in groups.values() for entry in group]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

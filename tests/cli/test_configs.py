@@ -126,4 +126,4 @@ def test_the_slurm_launcher_composes_with_submitit(tmp_path):
     launcher = cfg.hydra.launcher
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert (launcher.partition, launcher.tasks_per_node, launcher.gpus_per_node) == ("gpu", 1, 1)
-    assert launcher.signal_delay_s == 120
+    assert (launcher.signal_delay_s, launcher.max_num_timeout) == (120, 0)

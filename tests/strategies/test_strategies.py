@@ -5,6 +5,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_memopt.data.samplers import ShardedEvaluationSampler, evaluation_sampler
 from lightning_memopt.models.vit import ViTBlock
@@ -53,7 +54,8 @@ def test_the_fsdp_preset_shards_per_vit_block_and_checkpoints_the_preset_blocks(
         ),
         (lambda: MemoptDDPStrategy(powersgd_rank=0), r"`powersgd_rank`=0 must be an int ≥ 1"),
         (lambda: MemoptDDPStrategy(powersgd_warmup=1), r"`powersgd_warmup`=1 must be an int ≥ 2"),
-        (lambda: MemoptDDPStrategy(ddp_comm_hook=print), "give `comm_hook`, not `ddp_comm_hook`"),
+        (lambda: MemoptDDPStrategy(ddp_comm_hook=print), r"give `comm_hook` \(one of none, .*\), not `ddp_comm_hook`"),
+        (lambda: MemoptDDPStrategy(model_averaging_period=4), "not `model_averaging_period`"),
         (lambda: MemoptFSDPStrategy(param_dtype="fp8"), r"Unknown `param_dtype`='fp8'; valid choices: bf16, fp16"),
     ],
 )
@@ -157,3 +159,33 @@ def test_fsdp_memopt_trains_the_sapiens_preset_on_a_gpu(tmp_path):
     ]
     assert len(wrapped) > 1  # the root and one unit per ViT block
     assert torch.isfinite(torch.tensor(trainer.callback_metrics["train/loss"].item()))
+
+
+def test_powersgd_pieces_are_each_parameters_factors_with_interleaved_shapes(tmp_path):
+    """torch fills P / Q grouped by matrix shape: shapes A, B, A in one bucket must still cut right."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/group", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 8), torch.nn.Linear(8, 6))
+    ddp = DistributedDataParallel(model)
+    state, hook = comm_hook("powersgd", model, powersgd_warmup=2)
+    ddp.register_comm_hook(state, hook)
+    for _ in range(4):
+        ddp.zero_grad()
+        ddp(torch.randn(4, 8)).square().sum().backward()
+    saved = hook.state_dict()
+    assert sorted(saved["p"]) == [0, 2, 4]  # the three weights; the biases go uncompressed
+    for index, parameter in enumerate(model.parameters()):
+        if index in saved["p"]:
+            rows = parameter.shape[0]
+            p, q = saved["p"][index].view(rows, -1), saved["q"][index].view(-1, 1)
+            torch.testing.assert_close(p @ q.T, parameter.grad.view(rows, -1))  # the gradient DDP delivered
+
+
+def test_evaluation_sampler_leaves_a_set_smaller_than_the_world_to_lightning(tmp_path, monkeypatch):
+    from lightning_memopt.data import samplers
+
+    monkeypatch.setattr(samplers.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(samplers.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(samplers.dist, "get_rank", lambda group=None: 1)
+    assert samplers.evaluation_sampler(range(3)) is None  # a rank would get no batch
+    assert list(samplers.evaluation_sampler(range(9))) == [1, 5]
