@@ -14,8 +14,9 @@ def pairwise_distances(points: Tensor) -> Tensor:
 
     Without gradient the distances are direct sums of squared differences (``torch.cdist``'s
     non-matrix mode: exact for equal points, no ``B × B × D`` buffer). With gradient they come from
-    the Gram identity ``‖a‖² + ‖b‖² − 2 a·b`` on mean-centred rows, whose backward is two matrix
-    products; the square root's gradient is zero, not NaN, where two points coincide.
+    the Gram identity ``‖a‖² + ‖b‖² − 2 a·b`` on mean-centred rows in fp64 (no cancellation, no
+    TF32; cheap for ``B × d`` embeddings), whose backward is two matrix products; the square
+    root's gradient is zero, not NaN, where two points coincide.
 
     Example::
 
@@ -25,12 +26,14 @@ def pairwise_distances(points: Tensor) -> Tensor:
     flat = _at_least_fp32(points.reshape(points.shape[0], -1))
     if not flat.requires_grad:
         return torch.cdist(flat[None], flat[None], compute_mode="donot_use_mm_for_euclid_dist")[0]
-    centred = flat - flat.mean(dim=0, keepdim=True).detach()
+    wide = flat.double()  # fp64: no cancellation in ‖a‖² + ‖b‖² − 2a·b, and no TF32 matmul
+    centred = wide - wide.mean(dim=0, keepdim=True).detach()
     squared_norms = centred.pow(2).sum(dim=1)
     squared = (squared_norms[:, None] + squared_norms[None, :] - 2 * centred @ centred.T).clamp_min(0)
-    squared = squared * (1 - torch.eye(flat.shape[0], device=flat.device, dtype=flat.dtype))  # exact zero diagonal
+    squared = squared * (1 - torch.eye(flat.shape[0], device=flat.device, dtype=wide.dtype))  # exact zero diagonal
     positive = squared > 0
-    return torch.where(positive, squared.clamp_min(_TINY).sqrt(), torch.zeros_like(squared))
+    distances = torch.where(positive, squared.clamp_min(_TINY).sqrt(), torch.zeros_like(squared))
+    return distances.to(flat.dtype)
 
 
 def minimum_spanning_tree(distances: Tensor) -> Tensor:

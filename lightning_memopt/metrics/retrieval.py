@@ -167,12 +167,16 @@ class KNNRetrieval(Metric):
         """
         sizes = {e.shape[1] for e in self.query_embeddings + self.reference_embeddings}
         local = [max(sizes, default=0), -min(sizes, default=_NO_SIZE)]  # the largest and (negated) smallest D
+        stored = self.query_embeddings + self.reference_embeddings
+        local.append(int(any(bool(e.isnan().any()) for e in stored)))  # one host read per compute
         for prefix in _SETS:
             updates, indexed = len(getattr(self, f"{prefix}_embeddings")), len(getattr(self, f"{prefix}_indices"))
             local += [int(updates > 0), int(indexed > 0), int(indexed < updates)]
         agreed = max_over_ranks(local, self.process_group, device)
-        dimension, smallest = agreed[0], -agreed[1]
-        queries, query_indexed, query_plain, references, reference_indexed, reference_plain = agreed[2:]
+        dimension, smallest, not_a_number = agreed[0], -agreed[1], agreed[2]
+        queries, query_indexed, query_plain, references, reference_indexed, reference_plain = agreed[3:]
+        if not_a_number:
+            raise ValueError("KNNRetrieval got NaN embeddings (on some rank): their neighbours are undefined")
         if dimension and smallest != dimension:
             raise ValueError(
                 f"KNNRetrieval got embeddings of sizes {smallest} and {dimension} (over all updates and ranks): "

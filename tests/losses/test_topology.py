@@ -118,8 +118,8 @@ def test_memory_is_b_squared_not_b_squared_d():
         TopologicalAlignmentLoss()(images, embeddings).backward()
     extra = tracker.peak.total_bytes - images.numel() * 4  # the tracker meets the images first in the loss
     broadcast = 32 * 32 * images[0].numel() * 4
-    assert extra < broadcast / 300
-    assert extra < 32 * 32 * 4 * 12 + embeddings.numel() * 4 * 4  # a dozen B × B matrices, a few B × d
+    assert extra < broadcast / 150
+    assert extra < 32 * 32 * 8 * 12 + embeddings.numel() * 8 * 4  # a dozen fp64 B × B matrices, a few B × d
 
 
 def test_half_precision_embeddings_are_scored_in_fp32_under_autocast():

@@ -117,6 +117,12 @@ def test_compute_memory_is_bounded():
     assert tracker.peak.total_bytes < 2_000_000 + 2000 * 32 * 4 * 2 + 2000 * 8 * 4
 
 
+def with_nan():
+    metric = KNNRetrieval()
+    metric.update(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]), torch.zeros(2).long())
+    return metric
+
+
 def two_sizes():
     metric = KNNRetrieval()
     metric.update(torch.randn(4, 2), torch.zeros(4).long())
@@ -165,6 +171,7 @@ def test_indices_count_a_repeated_sample_once():
         ),  # fmt: skip
         (lambda: mixed_indices().compute(), "`indices` were given with some query updates and not others"),
         (lambda: two_sizes().compute(), "embeddings of sizes 2 and 3 .over all updates and ranks."),
+        (lambda: with_nan().compute(), "KNNRetrieval got NaN embeddings"),
     ],
 )
 def test_bad_input(build, message):
