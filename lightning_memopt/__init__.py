@@ -12,11 +12,13 @@ from typing import Any
 from lightning_memopt.callbacks import (
     ActivationCheckpointing,
     AdaptiveAccumulation,
+    MemoryBudget,
     MemoryMonitor,
     PrecisionSwitch,
     TrainingSummary,
 )
 from lightning_memopt.models import create_model, list_models
+from lightning_memopt.planner import plan
 from lightning_memopt.strategies import MemoptDDPStrategy, MemoptFSDPStrategy  # registers the strategy names
 
 __all__ = [
@@ -24,11 +26,13 @@ __all__ = [
     "AdaptiveAccumulation",
     "MemoptDDPStrategy",
     "MemoptFSDPStrategy",
+    "MemoryBudget",
     "MemoryMonitor",
     "PrecisionSwitch",
     "TrainingSummary",
     "create_model",
     "list_models",
+    "plan",
 ]
 
 

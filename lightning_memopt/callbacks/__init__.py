@@ -2,6 +2,7 @@
 
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
+from lightning_memopt.callbacks.memory_budget import MemoryBudget
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
 from lightning_memopt.callbacks.precision_switch import PrecisionSwitch
 from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
@@ -10,6 +11,7 @@ __all__ = [
     "ActivationCheckpointing",
     "AdaptiveAccumulation",
     "FitSummary",
+    "MemoryBudget",
     "MemoryMonitor",
     "PrecisionSwitch",
     "TrainingSummary",

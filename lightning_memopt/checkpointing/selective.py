@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-_SAVED_OP_NAMES = (
+SAVED_OP_NAMES = (
     "mm",
     "addmm",
     "bmm",
@@ -27,9 +27,7 @@ _SAVED_OP_NAMES = (
     "_flash_attention_forward",
     "_efficient_attention_forward",
 )
-SAVED_OPS = frozenset(
-    getattr(torch.ops.aten, name).default for name in _SAVED_OP_NAMES if hasattr(torch.ops.aten, name)
-)
+SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in SAVED_OP_NAMES if hasattr(torch.ops.aten, name))
 
 
 def save_expensive_ops(context: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

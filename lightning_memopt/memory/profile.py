@@ -14,7 +14,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from lightning_memopt.memory.tracker import CATEGORIES, MemorySnapshot, MemoryTracker
+from lightning_memopt.memory.tracker import CATEGORIES, BlockAccount, MemorySnapshot, MemoryTracker
+from lightning_memopt.memory.work import Work, WorkCounter, sum_work
 
 MODES = ("real", "fake")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -50,6 +51,13 @@ class MemoryProfile:
     precision: str
     largest: list[TensorInfo] = field(default_factory=list)
     offloaded_bytes: int = 0  # the most host memory that offloaded activations held at once
+    phase_peaks: dict[str, int] = field(default_factory=dict)  # the most live bytes in each phase
+    work_counts: dict[tuple[str, str], Work] = field(default_factory=dict)  # per step, by (phase, block)
+    blocks: dict[str, BlockAccount] = field(default_factory=dict)  # what each named block leaves for backward
+
+    def work(self, phases: tuple[str, ...] | None = None, blocks: tuple[str, ...] | None = None) -> Work:
+        """The work of one step in the given phases and blocks (all when ``None``)."""
+        return sum_work(self.work_counts, phases, blocks)
 
     @property
     def peak_gib(self) -> float:
@@ -82,6 +90,8 @@ def profile_step(
     steps: int = 2,
     prepare_model: Callable[[nn.Module], Any] | None = None,
     round_to: int = 1,
+    warm_optimizer: bool = False,
+    blocks: tuple[str, ...] = (),
 ) -> MemoryProfile:
     """Run ``steps`` full training steps (forward, loss, backward, optimizer) and profile their memory.
 
@@ -106,6 +116,10 @@ def profile_step(
         steps: training steps to run.
         prepare_model: called on the model before profiling (e.g. to apply activation checkpointing).
         round_to: count each storage rounded up to this many bytes (512 mimics the CUDA allocator).
+        warm_optimizer: before profiling, let the optimizer create its state with one step on zero
+            gradients, so that a single profiled step (``steps=1``) already sees it.
+        blocks: names of submodules whose forward leaves activations for the backward pass, for
+            :attr:`MemoryProfile.blocks` (what checkpointing each of them would free) and their work.
 
     Raises:
         ValueError: for an unknown ``mode`` or ``precision``, ``steps`` < 1, or a plain module
@@ -147,10 +161,30 @@ def profile_step(
         device = _device_of(module)
         # as Lightning and PrecisionSwitch run it: no weight-cast cache
         autocast = torch.autocast(device.type, dtype=half, enabled=precision.endswith("-mixed"), cache_enabled=False)
-        peak, offloaded = _run_steps(
-            module, batch, step, opt, autocast, steps, device, round_to, fake_mode is not None, stack
+        if warm_optimizer:
+            _create_optimizer_state(module, opt)
+        tracker = MemoryTracker(round_to=round_to)
+        tracker.track_module(module)
+        tracker.track_blocks(module, blocks)
+        tracker.track_optimizer(opt)
+        tracker.track(_tensors(batch), "inputs", op="batch")
+        counter = WorkCounter(tracker)
+        peak, block_accounts = _run_steps(
+            module, batch, step, opt, autocast, steps, device, fake_mode is not None, tracker, counter, stack
         )
-    return _profile_from(peak, offloaded, mode, precision, device, fake_mode is not None)
+    result = _profile_from(peak, tracker.peak_host_bytes, mode, precision, device, fake_mode is not None)
+    result.phase_peaks = dict(tracker.phase_peaks)
+    result.work_counts = {key: work.scaled(1 / steps) for key, work in counter.counts.items()}
+    result.blocks = block_accounts
+    return result
+
+
+def _create_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    for parameter in module.parameters():
+        if parameter.requires_grad:
+            parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _run_steps(
@@ -161,23 +195,23 @@ def _run_steps(
     autocast: Any,
     steps: int,
     device: torch.device,
-    round_to: int,
     fake: bool,
+    tracker: MemoryTracker,
+    counter: WorkCounter,
     stack: contextlib.ExitStack,
-) -> tuple[MemorySnapshot, int]:
-    tracker = MemoryTracker(round_to=round_to)
-    tracker.track_module(module)
-    tracker.track(_tensors(batch), "inputs", op="batch")
+) -> tuple[MemorySnapshot, dict[str, BlockAccount]]:
     on_cuda = device.type == "cuda" and not fake
     if on_cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     stack.enter_context(tracker)
+    stack.enter_context(counter)
     stack.callback(tracker.remove_hooks)
     module.train()
     for _ in range(steps):
         with tracker.in_phase("forward"), autocast, _quiet_logging():
             loss = step(batch)
+        block_accounts = tracker.block_accounts()
         with tracker.in_phase("backward"):
             loss.backward()
         del loss
@@ -189,7 +223,7 @@ def _run_steps(
     peak = tracker.peak
     if on_cuda:
         peak = MemorySnapshot(torch.cuda.max_memory_allocated(device), peak.phase, peak.records)
-    return peak, tracker.peak_host_bytes
+    return peak, block_accounts
 
 
 def _profile_from(

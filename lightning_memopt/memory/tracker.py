@@ -67,6 +67,19 @@ class StorageRecord:
     op: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    block: str = ""  # the innermost block (see MemoryTracker.track_blocks) whose forward made it
+
+
+@dataclass
+class BlockAccount:
+    """What one block's forward left alive for the backward pass, by the op that made it (outputs excluded)."""
+
+    saved_bytes: int = 0
+    by_op: dict[str, int] = field(default_factory=dict)
+
+    def bytes_made_by(self, ops: Iterable[str]) -> int:
+        """The saved bytes that the named ops made (e.g. the matmuls selective checkpointing keeps)."""
+        return sum(self.by_op.get(op, 0) for op in ops)
 
 
 @dataclass
@@ -131,10 +144,13 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_host_bytes = 0
         self._host_records: dict[int, int] = {}
         self._peak = MemorySnapshot()
+        self.phase_peaks: dict[str, int] = {}  # the most live bytes seen in each phase
         self._peak_pending = False  # a new peak whose records are still exactly the live ones
         self.timeline: list[tuple[int, int, str]] | None = [] if record_timeline else None
         self._records: dict[int, StorageRecord] = {}
         self._module_stack: list[str] = []
+        self._block_stack: list[str] = []
+        self._block_outputs: dict[str, set[int]] = {}  # block -> storage keys of its latest outputs
         self._hooks: list[Any] = []
         self._lock = threading.RLock()
         self._events = 0
@@ -155,9 +171,13 @@ class MemoryTracker(TorchDispatchMode):
                 return None
             nbytes = self._rounded(storage.nbytes())
             self._before_allocation(nbytes, op, tuple(tensor.shape), tensor.dtype)
-            record = StorageRecord(nbytes, category, self._current_module(), op, tuple(tensor.shape), tensor.dtype)
+            record = StorageRecord(
+                nbytes, category, self._current_module(), op, tuple(tensor.shape), tensor.dtype, self.current_block
+            )
             self._records[key] = record
             self.live_bytes += nbytes
+            if self.live_bytes > self.phase_peaks.get(self.phase, 0):
+                self.phase_peaks[self.phase] = self.live_bytes
             weakref.finalize(storage, self._remove, key)
             self._after_change()
             if self.live_bytes > self._peak.total_bytes:
@@ -237,6 +257,52 @@ class MemoryTracker(TorchDispatchMode):
         """Mark every tensor in ``optimizer.state`` as optimizer state."""
         self.relabel(_state_tensors(optimizer), "optimizer_state")
 
+    def track_blocks(self, model: nn.Module, names: Iterable[str]) -> None:
+        """Attribute new storages to the named submodules of ``model`` (the innermost one that is running).
+
+        :meth:`block_accounts` then tells what each block's forward left alive for the backward
+        pass: what checkpointing that block would free.
+        """
+        modules = dict(model.named_modules())
+        for name in names:
+            module = modules[name]
+            self._hooks.append(module.register_forward_pre_hook(self._enter_block(name)))
+            self._hooks.append(module.register_forward_hook(self._leave_block(name)))
+
+    def _enter_block(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._block_stack.append(name)
+
+        return hook
+
+    def _leave_block(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._block_stack:
+                self._block_stack.pop()
+            outputs = (t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor))
+            self._block_outputs[name] = {id(t.untyped_storage()) for t in outputs}
+
+        return hook
+
+    def block_accounts(self) -> dict[str, BlockAccount]:
+        """Live activation bytes per tracked block, outputs excluded (call it between forward and backward)."""
+        accounts: dict[str, BlockAccount] = {}
+        with self._lock:
+            for key, record in self._records.items():
+                if not record.block or record.category != "activations":
+                    continue
+                if key in self._block_outputs.get(record.block, ()):
+                    continue
+                account = accounts.setdefault(record.block, BlockAccount())
+                account.saved_bytes += record.nbytes
+                account.by_op[record.op] = account.by_op.get(record.op, 0) + record.nbytes
+        return accounts
+
+    @property
+    def current_block(self) -> str:
+        """The innermost tracked block running now, or ``""``."""
+        return self._block_stack[-1] if self._block_stack else ""
+
     def _enter_module(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             self._module_stack.append(name)
@@ -282,6 +348,7 @@ class MemoryTracker(TorchDispatchMode):
         with self._lock:
             self._peak = MemorySnapshot(self.live_bytes, self.phase, list(self._records.values()))
             self._peak_pending = False
+            self.phase_peaks = {}
             self.peak_host_bytes = self.host_bytes
             if self.timeline is not None:
                 self.timeline.clear()

@@ -1,0 +1,210 @@
+"""MemoryBudget: plan at fit start for the live model and device, and apply the plan through the other callbacks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
+from lightning_memopt.callbacks.precision_switch import PrecisionSwitch
+from lightning_memopt.planner import Hardware, Knobs, Plan, cuda_hardware, measure_cpu, plan, with_budget
+from lightning_memopt.planner import gpu as catalogue_gpu
+from lightning_memopt.planner.knobs import set_attention
+
+_GIB = 2**30
+_APPLIED_BY = (PrecisionSwitch, ActivationCheckpointing, AdaptiveAccumulation)
+
+
+class MemoryBudget(Callback):
+    """Pick the fastest configuration that fits the device at fit start, and apply it.
+
+    In ``setup`` it profiles one step of the LightningModule on a batch of its training data in
+    fake mode (nothing runs on the device), picks the knobs with :func:`~lightning_memopt.plan`
+    and applies them: the precision through :class:`PrecisionSwitch`, activation checkpointing
+    through :class:`ActivationCheckpointing`, micro-batches through :class:`AdaptiveAccumulation`
+    (added in every case: it stays on as the run-time safety net against an OOM), the attention
+    kernel by switching the model's attention modules. Under DDP rank 0 plans and every rank
+    applies its plan. The knobs are saved in checkpoints, so a resumed run applies the same ones.
+    ``plan`` holds the result; the table is logged at INFO on rank 0.
+
+    Args:
+        budget: GiB to plan for; default the device's memory (required off CUDA, where there is no
+            device memory to read: the budget of a :class:`~lightning_memopt.memory.SimulatedDevice`).
+        gpu: a catalogue name whose rates (and memory, unless ``budget``) to plan for; default the
+            live device.
+        safety_margin: the fraction of memory kept free.
+        knobs: apply these knobs (a mapping of :class:`~lightning_memopt.planner.Knobs` fields, as
+            ``memopt-plan`` prints them) without planning.
+        sample_batch: the batch to plan with; default the first batch of the datamodule's train loader.
+        verify: the most candidates per group profiled to confirm an estimate.
+
+    Raises:
+        MisconfigurationException: bad arguments (in ``__init__``); in ``setup``: a strategy other
+            than single-device or DDP, a callback that would apply the knobs twice, no ``budget``
+            off CUDA, or no configuration that fits (with the candidates table).
+
+    Example::
+
+        >>> MemoryBudget(knobs={"precision": "bf16-mixed", "checkpoint": "full", "every_n": 2}).knobs.describe()
+        'bf16-mixed, full every 2'
+    """
+
+    def __init__(
+        self,
+        budget: float | None = None,
+        gpu: str | None = None,
+        safety_margin: float = 0.1,
+        knobs: dict[str, Any] | None = None,
+        sample_batch: Any = None,
+        verify: int = 3,
+    ) -> None:
+        try:
+            self.knobs: Knobs | None = Knobs(**knobs) if knobs is not None else None
+            self.hardware_name = gpu
+            if gpu is not None:
+                catalogue_gpu(gpu)
+            if budget is not None and not budget > 0:
+                raise ValueError(f"`budget`={budget!r} GiB must be positive")
+            if not 0 <= safety_margin < 1:
+                raise ValueError(f"`safety_margin`={safety_margin!r} must be in [0, 1)")
+        except (TypeError, ValueError) as error:
+            raise MisconfigurationException(f"MemoryBudget: {error}") from None
+        self.budget = budget
+        self.safety_margin = safety_margin
+        self.sample_batch = sample_batch
+        self.verify = verify
+        self.plan: Plan | None = None
+        self.applied: list[Callback] = []
+        self._attention: dict[str, str] = {}
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        for callback in self.applied:  # from an earlier fit of this Trainer
+            if callback in _callbacks(trainer):
+                _callbacks(trainer).remove(callback)
+        if not isinstance(strategy, SingleDeviceStrategy | DDPStrategy):
+            raise MisconfigurationException(
+                f"MemoryBudget plans for single-device and DDP strategies, not {type(strategy).__name__}; "
+                "memopt-plan prints the FSDP command when sharding is the plan"
+            )
+        others = [type(c).__name__ for c in _callbacks(trainer) if isinstance(c, _APPLIED_BY) and c not in self.applied]
+        if others:
+            raise MisconfigurationException(
+                f"MemoryBudget applies its plan through {', '.join(c.__name__ for c in _APPLIED_BY)}; remove the "
+                f"Trainer's own {', '.join(others)} (or drop MemoryBudget)"
+            )
+        knobs = self.knobs or self._resumed_knobs(trainer) or self._plan(trainer, pl_module)
+        self.knobs = knobs
+        self._apply(trainer, pl_module, knobs)
+
+    def _plan(self, trainer: Trainer, pl_module: LightningModule) -> Knobs:
+        knobs: dict[str, Any] | None = None
+        if trainer.is_global_zero:
+            self.plan = plan(
+                pl_module,
+                self._batch(trainer),
+                self._hardware(pl_module.device),
+                safety_margin=self.safety_margin,
+                verify=self.verify,
+            )
+            rank_zero_info(f"MemoryBudget:\n{self.plan.table()}")
+            knobs = self.plan.chosen.knobs.as_dict() if self.plan.chosen is not None else None
+        knobs = trainer.strategy.broadcast(knobs)
+        if knobs is None:
+            table = self.plan.table() if self.plan is not None else "(planned on rank 0)"
+            raise MisconfigurationException(f"MemoryBudget: no configuration that keeps the result fits:\n{table}")
+        return Knobs(**knobs)
+
+    def _hardware(self, device: torch.device) -> Hardware:
+        if self.hardware_name is not None:
+            hardware = catalogue_gpu(self.hardware_name)
+        elif device.type == "cuda":
+            hardware = cuda_hardware(device)
+        elif self.budget is None:
+            raise MisconfigurationException(
+                f"MemoryBudget: `budget` (GiB) is needed on a {device.type} device, which has no memory size "
+                "to plan for"
+            )
+        else:
+            return measure_cpu(int(self.budget * _GIB))
+        return hardware if self.budget is None else with_budget(hardware, self.budget)
+
+    def _batch(self, trainer: Trainer) -> Any:
+        if self.sample_batch is not None:
+            return self.sample_batch
+        datamodule = getattr(trainer, "datamodule", None)
+        loader = (
+            datamodule.train_dataloader() if datamodule is not None else trainer.lightning_module.train_dataloader()
+        )
+        return next(iter(loader))
+
+    def _resumed_knobs(self, trainer: Trainer) -> Knobs | None:
+        if not trainer.ckpt_path:
+            return None
+        checkpoint = torch.load(trainer.ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+        saved = checkpoint.get("callbacks", {}).get(self.state_key, {}).get("knobs")
+        return Knobs(**saved) if saved is not None else None
+
+    def _apply(self, trainer: Trainer, pl_module: LightningModule, knobs: Knobs) -> None:
+        if knobs.shards > 1:
+            raise MisconfigurationException(f"MemoryBudget: `knobs` shard over {knobs.shards} GPUs; run FSDP instead")
+        if knobs.attn_impl is not None:
+            self._attention = {
+                name: module.attn_impl
+                for name, module in pl_module.named_modules()
+                if isinstance(getattr(module, "attn_impl", None), str)
+            }
+            set_attention(pl_module, knobs.attn_impl)
+        self.applied = [AdaptiveAccumulation(micro_batch_size=knobs.micro_batch_size)]
+        if knobs.precision != "32-true":
+            self.applied.append(PrecisionSwitch(knobs.precision))
+        policy = knobs.checkpoint_policy()
+        if policy is not None:
+            self.applied.append(ActivationCheckpointing(policy))
+        # Lightning visits callbacks appended during this hook in the same pass, so their setup runs next
+        _callbacks(trainer).extend(self.applied)
+        rank_zero_info(f"MemoryBudget: applying {knobs.describe()}")
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.knobs is None or not trainer.is_global_zero:
+            return
+        logged = {f"memopt/plan/{k}": v for k, v in self.knobs.as_dict().items()}
+        if self.plan is not None:
+            logged.update({f"memopt/plan/{k}": v for k, v in self.plan.summary().items()})
+        for logger in trainer.loggers:
+            logger.log_hyperparams(logged)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        modules = dict(pl_module.named_modules())
+        for name, impl in self._attention.items():
+            modules[name].attn_impl = impl
+        self._attention = {}
+        # the applied callbacks come after this one in _callbacks(trainer): Lightning tears them down next
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"knobs": self.knobs.as_dict() if self.knobs is not None else None}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("knobs")
+        if saved is not None:
+            self.knobs = Knobs(**saved)
+
+
+def _callbacks(trainer: Trainer) -> list[Callback]:
+    return trainer.callbacks  # type: ignore[attr-defined]

@@ -1,0 +1,67 @@
+"""``memopt-plan``: the fastest configuration of a training config that fits a GPU, found on the CPU.
+
+Examples (shell)::
+
+    memopt-plan model=sapiens_2b gpu=a800_80gb plan.png=sapiens_plan.png
+    memopt-plan experiment=cotracker2_kubric gpu=rtx3090_24gb
+    memopt-plan experiment=topofr_r100 gpu=v100_32gb
+    memopt-plan model=r100 data.batch_size=256 budget=10        # 10 GiB, on the default GPU's rates
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from hydra import compose
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from lightning_memopt.cli.config import config_dir
+from lightning_memopt.planner import Plan, PlanError, gpu, plan, with_budget
+from lightning_memopt.planner.config import FAMILY_DATA, family, first_batch, result_changing_options, train_command
+
+
+def plan_config(cfg: DictConfig, overrides: list[str]) -> tuple[Plan, list[str]]:
+    """Plan ``cfg`` (composed from ``overrides``); returns the plan and the overrides that reproduce the config."""
+    data_default = FAMILY_DATA.get(family(cfg))
+    chose_data = any(o.startswith(("data=", "experiment=")) for o in overrides)
+    data_choice = HydraConfig.get().runtime.choices.get("data")
+    if data_default is not None and not chose_data and data_choice != data_default:
+        overrides = [*overrides, f"data={data_default}"]  # `model=sapiens_2b` alone trains on normals, not faces
+        cfg = compose("plan", overrides=overrides)
+    hardware = gpu(cfg.gpu) if cfg.budget is None else with_budget(gpu(cfg.gpu), float(cfg.budget))
+    result = plan(
+        lambda: instantiate(cfg.model),
+        first_batch(cfg),
+        hardware,
+        safety_margin=float(cfg.safety_margin),
+        devices=int(cfg.devices),
+        options=result_changing_options(cfg) if cfg.plan.options else (),
+        progress=True,
+        verify=int(cfg.plan.verify),
+    )
+    return result, overrides
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="plan")
+def main(cfg: DictConfig) -> float | None:
+    """Hydra entry point: prints the candidates, the choice and its ``memopt-train`` command; returns its peak (GiB)."""
+    overrides = list(HydraConfig.get().overrides.task)
+    try:
+        result, overrides = plan_config(cfg, overrides)
+    except PlanError as error:
+        print(f"memopt-plan: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    print(result.table(), flush=True)
+    if result.chosen is not None:
+        print(f"run it with:\n  {train_command(overrides, result.chosen.knobs)}", flush=True)
+    if cfg.plan.png:
+        result.write_chart(cfg.plan.png)
+        print(f"wrote {cfg.plan.png}", flush=True)
+    return None if result.chosen is None else result.chosen.peak_bytes / 2**30
+
+
+if __name__ == "__main__":
+    main()

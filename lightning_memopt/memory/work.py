@@ -1,0 +1,136 @@
+"""WorkCounter: the arithmetic, the bytes written and the kernels of a step, by phase and block.
+
+Counted at dispatch level from shapes alone, so a step run under ``FakeTensorMode`` is counted as
+exactly as a real one. Matmuls, convolutions and attention kernels get their floating-point
+operations from PyTorch's flop formulas (plus the CPU flash-attention kernels those formulas
+lack); every other op counts as memory traffic only. The planner turns these counts into time.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_NOT_KERNELS = frozenset({"detach", "alias", "lift_fresh", "_to_copy_noop"})
+
+
+@dataclass
+class Work:
+    """What some ops did: floating-point operations (half / full precision), bytes written, kernels."""
+
+    half_flops: float = 0.0
+    full_flops: float = 0.0
+    bytes_written: float = 0.0
+    kernels: float = 0.0
+    matmul_bytes: float = 0.0  # the part of ``bytes_written`` that flop-counted ops (matmul, conv, attention) wrote
+    matmul_kernels: float = 0.0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Work)))
+
+    def scaled(self, factor: float) -> Work:
+        """Every count multiplied by ``factor``."""
+        return Work(*(getattr(self, f.name) * factor for f in fields(Work)))
+
+    def without_matmuls(self) -> Work:
+        """The cheap part: what selective checkpointing recomputes (everything but matmuls and attention)."""
+        return Work(0.0, 0.0, self.bytes_written - self.matmul_bytes, self.kernels - self.matmul_kernels, 0.0, 0.0)
+
+    @property
+    def flops(self) -> float:
+        return self.half_flops + self.full_flops
+
+
+def _cpu_attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> int:
+    """Q·Kᵀ and P·V of a (batch, heads, L, E) query against (batch, heads, S, E) keys and values."""
+    batch_heads = query.shape[0] * query.shape[1]
+    length, source = query.shape[-2], key.shape[-2]
+    return 2 * batch_heads * length * source * (query.shape[-1] + value.shape[-1])
+
+
+def _cpu_attention_backward_flops(
+    grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+) -> int:
+    # the scores are recomputed (one matmul), then dV, dP, dQ and dK: five matmuls against the forward's two
+    return int(2.5 * _cpu_attention_flops(query, key, value))
+
+
+def _formulas() -> dict[Any, Callable[..., int]]:
+    formulas: dict[Any, Callable[..., int]] = dict(flop_registry)
+    aten = torch.ops.aten
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        formulas[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_attention_flops
+        formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_attention_backward_flops
+    return formulas
+
+
+class WorkCounter(TorchDispatchMode):
+    """Count :class:`Work` per ``(phase, block)``, the phase and block read from ``context`` at each op.
+
+    Args:
+        context: an object with ``phase`` and ``current_block`` attributes (a
+            :class:`~lightning_memopt.memory.MemoryTracker`); ``None`` counts everything under
+            ``("", "")``.
+
+    Example::
+
+        >>> counter = WorkCounter()
+        >>> with counter:
+        ...     _ = torch.ones(64, 32) @ torch.ones(32, 16)
+        >>> counter.total().full_flops, counter.total().kernels
+        (65536.0, 3.0)
+    """
+
+    def __init__(self, context: Any = None) -> None:
+        super().__init__()
+        self.context = context
+        self.counts: dict[tuple[str, str], Work] = defaultdict(Work)
+        self._formulas = _formulas()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if func.namespace != "aten" or func.is_view or packet.__name__ in _NOT_KERNELS:
+            return out
+        key = (getattr(self.context, "phase", ""), getattr(self.context, "current_block", ""))
+        work = self.counts[key]
+        written = sum(t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        work.bytes_written += written
+        work.kernels += 1
+        formula = self._formulas.get(packet)
+        if formula is not None:
+            flops = formula(*args, **kwargs, out_val=out)
+            first = next((t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), None)
+            if first is not None and first.dtype in _HALF_DTYPES:
+                work.half_flops += flops
+            else:
+                work.full_flops += flops
+            work.matmul_bytes += written
+            work.matmul_kernels += 1
+        return out
+
+    def total(self, phases: Iterable[str] | None = None, blocks: Iterable[str] | None = None) -> Work:
+        """The work of the given phases and blocks (all of either when ``None``)."""
+        return sum_work(self.counts, phases, blocks)
+
+
+def sum_work(
+    counts: dict[tuple[str, str], Work], phases: Iterable[str] | None = None, blocks: Iterable[str] | None = None
+) -> Work:
+    """Add up the ``(phase, block)`` counts of the given phases and blocks (all of either when ``None``)."""
+    phase_set = None if phases is None else set(phases)
+    block_set = None if blocks is None else set(blocks)
+    result = Work()
+    for (phase, block), work in counts.items():
+        if (phase_set is None or phase in phase_set) and (block_set is None or block in block_set):
+            result = result + work
+    return result

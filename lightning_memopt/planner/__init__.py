@@ -1,0 +1,39 @@
+"""plan(): predict a training step's memory without a GPU and pick the fastest configuration that fits.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_memopt.models import create_model
+    >>> from lightning_memopt.planner import gpu, plan, with_budget
+    >>> result = plan(lambda: create_model("sapiens_tiny"), torch.randn(2, 3, 64, 48),
+    ...               with_budget(gpu("h100_80gb"), 0.005), loss_fn=lambda m, x: m(x).square().mean(),
+    ...               optimizer=lambda p: torch.optim.AdamW(p))
+    >>> result.chosen.peak_bytes <= result.limit_bytes
+    True
+"""
+
+from lightning_memopt.planner.cost import StepCost, step_cost
+from lightning_memopt.planner.hardware import GPUS, Hardware, cuda_hardware, gpu, measure_cpu, with_budget
+from lightning_memopt.planner.knobs import Knobs, set_attention
+from lightning_memopt.planner.options import MeasuredOption, ResultChangingOption
+from lightning_memopt.planner.report import Plan
+from lightning_memopt.planner.search import Candidate, PlanError, plan
+
+__all__ = [
+    "GPUS",
+    "Candidate",
+    "Hardware",
+    "Knobs",
+    "MeasuredOption",
+    "Plan",
+    "PlanError",
+    "ResultChangingOption",
+    "StepCost",
+    "cuda_hardware",
+    "gpu",
+    "measure_cpu",
+    "plan",
+    "set_attention",
+    "step_cost",
+    "with_budget",
+]

@@ -1,0 +1,116 @@
+"""Plan a composed training config: its model, one of its batches, its result-changing options, its command line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_memopt.planner.knobs import Knobs
+from lightning_memopt.planner.options import ResultChangingOption
+
+# the synthetic data each task family trains on when only `model=` is given
+FAMILY_DATA = {
+    "NormalEstimationModule": "synthetic_normals",
+    "TrackingModule": "synthetic_tracking",
+    "FaceRecognitionModule": "synthetic_face",
+}
+SMALLER_BACKBONE = {
+    "sapiens_2b": "sapiens_1b",
+    "sapiens_1b": "sapiens_0.6b",
+    "sapiens_0.6b": "sapiens_0.3b",
+    "r200": "r100",
+    "r100": "r50",
+    "r50": "r34",
+    "r34": "r18",
+}
+
+
+def family(cfg: DictConfig) -> str:
+    """The task class name of ``cfg.model`` (``"NormalEstimationModule"`` …)."""
+    return str(cfg.model._target_).rpartition(".")[2]
+
+
+def first_batch(cfg: DictConfig) -> Any:
+    """One training batch of ``cfg.data``."""
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")
+    return next(iter(datamodule.train_dataloader()))
+
+
+def result_changing_options(cfg: DictConfig) -> list[ResultChangingOption]:
+    """The options that save memory by changing what is trained, for ``cfg``'s task family."""
+    kind = family(cfg)
+    backbone = str(cfg.model.backbone)
+    options = []
+    smaller = SMALLER_BACKBONE.get(backbone)
+    if smaller is not None:
+        caveat = "a smaller network: lower accuracy, other pre-trained weights"
+        options.append(_changed(cfg, f"backbone {backbone} → {smaller}", caveat, [f"model.backbone={smaller}"]))
+    if kind == "NormalEstimationModule" and int(cfg.model.backbone_options.get("patch_size", 16)) == 16:
+        caveat = "4× fewer tokens, but the pre-trained weights were learnt at patch 16 (reported: blurry normals)"
+        options.append(_changed(cfg, "patch_size 16 → 32", caveat, ["model.backbone_options.patch_size=32"]))
+    if kind == "TrackingModule":
+        tracks = int(cfg.data.traj_per_sample)
+        if tracks > 384:
+            caveat = "fewer supervised tracks per clip; the maintainers report 384 does not hurt"
+            options.append(_changed(cfg, f"traj_per_sample {tracks} → 384", caveat, ["data.traj_per_sample=384"]))
+        radius = int(cfg.model.backbone_options.get("corr_radius", 3))
+        if radius > 2:
+            caveat = "a smaller correlation window; changes the transformer's input size (weights do not load)"
+            options.append(_changed(cfg, f"corr_radius {radius} → 2", caveat, ["model.backbone_options.corr_radius=2"]))
+    if kind == "FaceRecognitionModule" and float(cfg.model.sample_rate) == 1.0:
+        caveat = "Partial FC: 10% of the class centres per step (published accuracy on par at 1.4 M identities)"
+        options.append(_changed(cfg, "sample_rate 1.0 → 0.1", caveat, ["model.sample_rate=0.1"]))
+    return options
+
+
+def train_command(overrides: list[str], knobs: Knobs) -> str:
+    """The ``memopt-train`` command line that runs ``knobs`` on the config given by ``overrides``."""
+    kept = [o for o in overrides if o.split("=")[0].lstrip("+~") not in ("gpu", "budget", "devices", "safety_margin")]
+    kept = [o for o in kept if not o.startswith(("plan.", "precision=", "memopt="))]
+    if knobs.shards > 1:
+        extra = [
+            "strategy=fsdp_memopt",
+            f"trainer.devices={knobs.shards}",
+            f"precision={knobs.precision.replace('-', '_')}",
+        ]
+        if knobs.checkpoint != "none":
+            policy = knobs.checkpoint_policy() or {}
+            every = f",every_n:{policy['every_n']}" if policy.get("every_n") else ""
+            extra += [
+                "memopt=checkpointing",
+                f"memopt.callbacks.activation_checkpointing.policy={{modules:preset{every},mode:{knobs.checkpoint}}}",
+            ]
+        return " ".join(["memopt-train", *kept, *extra])
+    prefix = "memopt.callbacks.memory_budget.knobs"
+    values = knobs.as_dict()
+    values.pop("shards")
+    extra = ["memopt=planned"] + [f"{prefix}.{key}={_hydra_value(value)}" for key, value in values.items()]
+    return " ".join(["memopt-train", *kept, *extra])
+
+
+def _hydra_value(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+def _changed(cfg: DictConfig, name: str, caveat: str, overrides: list[str]) -> ResultChangingOption:
+    changed_cfg = cfg.copy()
+    for override in overrides:
+        key, _, value = override.partition("=")
+        OmegaConf.update(changed_cfg, key, _parse(value), merge=True)
+    data_changed = any(o.startswith("data.") for o in overrides)
+    batch = first_batch(changed_cfg) if data_changed else None
+    return ResultChangingOption(
+        name, caveat, tuple(overrides), model=lambda: instantiate(changed_cfg.model), batch=batch
+    )
+
+
+def _parse(value: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value

@@ -1,0 +1,154 @@
+"""The devices a plan is made for: a catalogue of GPUs, the live CUDA device, or a measured CPU.
+
+Figures are the vendors' dense peak rates (matmuls in fp32 without TF32, and fp16/bf16 on tensor
+cores), memory bandwidth, host link (PCIe, each way) and peer link (NVLink where the board has it).
+Memory is what ``nvidia-smi`` reports as the card's total. The planner only compares candidates
+on one device, so the rates matter through their ratios.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+_GIB = 2**30
+_MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the cost model needs to know about a device.
+
+    Args:
+        name: catalogue name (``"a800_80gb"``) or a description.
+        memory_bytes: the device's total memory.
+        bf16: whether bf16 matmuls run natively (Ampere and later).
+        full_tflops / half_tflops: peak matmul rates in fp32 and in fp16/bf16, in TFLOP/s.
+        memory_gbps: device memory bandwidth, GB/s.
+        host_link_gbps: device ↔ host copies (activation offload), GB/s each way.
+        peer_link_gbps: device ↔ device (FSDP gathers and reductions), GB/s each way.
+        kernel_seconds: the fixed cost of one kernel launch.
+    """
+
+    name: str
+    memory_bytes: int
+    bf16: bool
+    full_tflops: float
+    half_tflops: float
+    memory_gbps: float
+    host_link_gbps: float
+    peer_link_gbps: float
+    kernel_seconds: float = 5e-6
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / _GIB
+
+    @property
+    def mixed_precision(self) -> str:
+        """The mixed precision this device runs best: bf16-mixed where it has bf16, else 16-mixed."""
+        return "bf16-mixed" if self.bf16 else "16-mixed"
+
+
+def _gpu(name: str, mib: int, bf16: bool, full: float, half: float, hbm: float, host: float, peer: float) -> Hardware:
+    return Hardware(name, mib * _MIB, bf16, full, half, hbm, host, peer)
+
+
+GPUS: dict[str, Hardware] = {
+    gpu.name: gpu
+    for gpu in (
+        _gpu("v100_16gb", 16160, False, 15.7, 125.0, 900.0, 12.0, 150.0),
+        _gpu("v100_32gb", 32510, False, 15.7, 125.0, 900.0, 12.0, 150.0),
+        _gpu("t4_16gb", 15360, False, 8.1, 65.0, 320.0, 12.0, 12.0),
+        _gpu("rtx3090_24gb", 24576, True, 35.6, 71.0, 936.0, 25.0, 25.0),
+        _gpu("rtx4090_24gb", 24564, True, 82.6, 165.2, 1008.0, 25.0, 25.0),
+        _gpu("l4_24gb", 23034, True, 30.3, 121.0, 300.0, 25.0, 25.0),
+        _gpu("a100_40gb", 40960, True, 19.5, 312.0, 1555.0, 25.0, 300.0),
+        _gpu("a100_80gb", 81920, True, 19.5, 312.0, 2039.0, 25.0, 300.0),
+        _gpu("a800_80gb", 81920, True, 19.5, 312.0, 2039.0, 25.0, 200.0),
+        _gpu("h100_80gb", 81559, True, 67.0, 989.0, 3350.0, 50.0, 450.0),
+        _gpu("h200_141gb", 143771, True, 67.0, 989.0, 4800.0, 50.0, 450.0),
+    )
+}
+# substrings of torch.cuda.get_device_name() -> catalogue entries, by total memory where names repeat
+_DEVICE_NAMES = (
+    ("V100", ("v100_16gb", "v100_32gb")),
+    ("T4", ("t4_16gb",)),
+    ("3090", ("rtx3090_24gb",)),
+    ("4090", ("rtx4090_24gb",)),
+    ("L4", ("l4_24gb",)),
+    ("A100", ("a100_40gb", "a100_80gb")),
+    ("A800", ("a800_80gb",)),
+    ("H100", ("h100_80gb",)),
+    ("H200", ("h200_141gb",)),
+)
+
+
+def gpu(name: str) -> Hardware:
+    """The catalogue entry ``name``.
+
+    Raises:
+        ValueError: for an unknown name, listing the catalogue.
+
+    Example::
+
+        >>> gpu("a800_80gb").memory_gib, gpu("v100_32gb").mixed_precision
+        (80.0, '16-mixed')
+    """
+    try:
+        return GPUS[name]
+    except KeyError:
+        raise ValueError(f"Unknown `gpu`={name!r}; valid names: {', '.join(GPUS)}") from None
+
+
+def with_budget(hardware: Hardware, budget_gib: float) -> Hardware:
+    """``hardware`` with its memory replaced by ``budget_gib`` GiB (e.g. what other processes leave free).
+
+    Raises:
+        ValueError: for a budget that is not positive.
+    """
+    if not budget_gib > 0:
+        raise ValueError(f"`budget`={budget_gib!r} GiB must be positive")
+    return replace(hardware, memory_bytes=int(budget_gib * _GIB))
+
+
+def cuda_hardware(device: torch.device) -> Hardware:
+    """The catalogue entry of a live CUDA device (its own total memory), or a generic one for unknown boards."""
+    properties = torch.cuda.get_device_properties(device)
+    for marker, names in _DEVICE_NAMES:
+        if marker in properties.name:
+            closest = min(names, key=lambda name: abs(GPUS[name].memory_bytes - properties.total_memory))
+            return replace(GPUS[closest], memory_bytes=properties.total_memory)
+    generic = GPUS["a100_80gb"]
+    return replace(
+        generic, name=properties.name, memory_bytes=properties.total_memory, bf16=torch.cuda.is_bf16_supported()
+    )
+
+
+def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5) -> Hardware:
+    """This CPU's rates, timed: fp32 and bf16 matmuls, a large copy, and a tiny op (the per-kernel cost).
+
+    ``memory_bytes`` is the budget (a :class:`~lightning_memopt.memory.SimulatedDevice`'s); the
+    host link is a copy in memory.
+    """
+    a = torch.randn(size, size)
+    half = a.bfloat16()
+    big = torch.empty(8 * _MIB // 4)
+    tiny = torch.ones(8)
+
+    def best(run: object) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()  # type: ignore[operator]
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    flops = 2 * size**3
+    full = flops / best(lambda: a @ a) / 1e12
+    half_rate = flops / best(lambda: half @ half) / 1e12
+    copy = 2 * big.nbytes / best(lambda: big.clone()) / 1e9
+    kernel = best(lambda: [tiny.add(1) for _ in range(100)]) / 100
+    return Hardware("cpu", memory_bytes, True, full, half_rate, copy, copy, copy, kernel)

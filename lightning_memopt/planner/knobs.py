@@ -1,0 +1,114 @@
+"""Knobs: one configuration of the settings that change a step's memory and speed but not its result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+CHECKPOINT_MODES = ("none", "selective", "full", "offload")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+ATTENTION_IMPLS = ("sdpa", "math")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Precision, attention kernel, activation checkpointing, micro-batch size and FSDP sharding.
+
+    Args:
+        precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"``.
+        attn_impl: ``"sdpa"`` (fused attention) or ``"math"`` (materialised), or ``None`` to leave
+            the model's attention as built.
+        checkpoint: ``"none"``, ``"selective"``, ``"full"`` or ``"offload"`` on the preset blocks.
+        every_n: checkpoint every n-th of each run of sibling blocks (1: all of them).
+        micro_batch_size: split each batch into micro-batches of this size, gradients accumulated
+            into the same optimizer step; ``None``: whole batches.
+        shards: FSDP full sharding over this many GPUs (1: no sharding).
+
+    Raises:
+        ValueError: for a value outside the choices above.
+
+    Example::
+
+        >>> knobs = Knobs("bf16-mixed", checkpoint="full", every_n=2)
+        >>> knobs.describe()
+        'bf16-mixed, full every 2'
+        >>> knobs.checkpoint_policy()
+        {'modules': 'preset', 'every_n': 2, 'mode': 'full'}
+    """
+
+    precision: str = "32-true"
+    attn_impl: str | None = None
+    checkpoint: str = "none"
+    every_n: int = 1
+    micro_batch_size: int | None = None
+    shards: int = 1
+
+    def __post_init__(self) -> None:
+        _check_choice("precision", self.precision, PRECISIONS)
+        if self.attn_impl is not None:
+            _check_choice("attn_impl", self.attn_impl, ATTENTION_IMPLS)
+        _check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
+        for name in ("every_n", "shards"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}`={value!r} must be a positive int")
+        size = self.micro_batch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"`micro_batch_size`={size!r} must be a positive int or None")
+
+    def checkpoint_policy(self) -> dict[str, Any] | None:
+        """The :func:`~lightning_memopt.checkpointing.apply_activation_checkpointing` policy, or ``None``."""
+        if self.checkpoint == "none":
+            return None
+        return {"modules": "preset", "every_n": self.every_n if self.every_n > 1 else None, "mode": self.checkpoint}
+
+    def describe(self) -> str:
+        """A short, readable form: ``"bf16-mixed, sdpa, full every 2, micro-batch 32, FSDP ×4"``."""
+        parts = [self.precision]
+        if self.attn_impl is not None:
+            parts.append(self.attn_impl)
+        if self.checkpoint != "none":
+            parts.append(self.checkpoint + (f" every {self.every_n}" if self.every_n > 1 else ""))
+        if self.micro_batch_size is not None:
+            parts.append(f"micro-batch {self.micro_batch_size}")
+        if self.shards > 1:
+            parts.append(f"FSDP ×{self.shards}")
+        return ", ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The knobs as plain values (the ``knobs`` argument of :class:`~lightning_memopt.MemoryBudget`)."""
+        return {
+            "precision": self.precision,
+            "attn_impl": self.attn_impl,
+            "checkpoint": self.checkpoint,
+            "every_n": self.every_n,
+            "micro_batch_size": self.micro_batch_size,
+            "shards": self.shards,
+        }
+
+
+def set_attention(model: nn.Module, attn_impl: str | None) -> int:
+    """Switch every attention module of ``model`` (those with an ``attn_impl`` attribute); returns how many.
+
+    Example::
+
+        >>> from lightning_memopt.models import create_model
+        >>> set_attention(create_model("sapiens_tiny", depth=2), "math")
+        2
+    """
+    if attn_impl is None:
+        return 0
+    _check_choice("attn_impl", attn_impl, ATTENTION_IMPLS)
+    switched = 0
+    for module in model.modules():
+        if isinstance(getattr(module, "attn_impl", None), str):
+            setattr(module, "attn_impl", attn_impl)  # noqa: B010 (a module attribute, typed by its class)
+            switched += 1
+    return switched
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"Unknown `{name}`={value!r}; valid choices: {', '.join(choices)}")

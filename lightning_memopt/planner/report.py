@@ -1,0 +1,124 @@
+"""Plan: what the planner found, as a table and a chart."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_memopt.planner.hardware import Hardware
+from lightning_memopt.planner.options import MeasuredOption
+
+if TYPE_CHECKING:
+    from lightning_memopt.planner.knobs import Knobs
+    from lightning_memopt.planner.search import Candidate
+
+_GIB = 2**30
+_SHOWN = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
+
+
+@dataclass
+class Plan:
+    """The candidates a plan weighed, the one it chose (``None``: nothing fits), and the result-changing options."""
+
+    hardware: Hardware
+    limit_bytes: int
+    safety_margin: float
+    candidates: list[Candidate]
+    skipped: list[tuple[Knobs, float]]
+    chosen: Candidate | None
+    options: list[MeasuredOption] = field(default_factory=list)
+    profiles: int = 0
+    micro_batch_note: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.chosen is not None
+
+    def table(self) -> str:
+        """Every candidate (peak, breakdown, step time, fits), what was skipped, the choice and the options."""
+        unit, scale = ("GiB", _GIB) if self.hardware.memory_bytes >= _GIB else ("MiB", 2**20)
+        header = f"{'':2}{'candidate':<44}{'peak ' + unit:>9}" + "".join(f"{_short(k):>8}" for k in _SHOWN)
+        header += f"{'step s':>10}  {'fits':<5}{'how'}"
+        lines = [
+            f"device {self.hardware.name}: {self.hardware.memory_bytes / scale:.2f} {unit}, plan within "
+            f"{self.limit_bytes / scale:.2f} {unit} (safety margin {self.safety_margin:.0%}); "
+            f"{self.profiles} fake-mode profiles",
+            header,
+        ]
+        for candidate in sorted(self.candidates, key=lambda c: (c.cost.total, c.peak_bytes)):
+            mark = "→" if candidate is self.chosen else ""
+            breakdown = "".join(f"{candidate.breakdown.get(k, 0) / scale:>8.2f}" for k in _SHOWN)
+            how = candidate.how
+            if candidate.estimated_bytes is not None:
+                how += f" (estimated {candidate.estimated_bytes / scale:.2f})"
+            lines.append(
+                f"{mark:<2}{candidate.knobs.describe():<44}{candidate.peak_bytes / scale:>9.2f}{breakdown}"
+                f"{candidate.cost.total:>10.4f}  {'yes' if candidate.fits else 'no':<5}{how}"
+            )
+        for knobs, bound in self.skipped:
+            bound_text = f"not profiled: cannot beat the choice (≥ {bound:.4f} s)"
+            lines.append(f"  {knobs.describe():<44}{'—':>9}  {bound_text}")
+        if self.micro_batch_note:
+            lines.append(self.micro_batch_note)
+        if self.chosen is None:
+            lines.append("no configuration that keeps the result fits")
+        else:
+            lines.append(
+                f"chosen: {self.chosen.knobs.describe()}: peak {self.chosen.peak_bytes / scale:.2f} {unit} "
+                f"({self.chosen.how}), about {self.chosen.cost.total:.4f} s per step"
+            )
+        if self.options:
+            lines.append("options that change the result (measured with the chosen knobs):")
+            for measured in self.options:
+                option = measured.option
+                lines.append(
+                    f"  - {option.name}: peak {measured.peak_bytes / scale:.2f} {unit}, saves "
+                    f"{measured.saving_bytes / scale:.2f} {unit}; {option.caveat}  [{' '.join(option.overrides)}]"
+                )
+        return "\n".join(lines)
+
+    def write_chart(self, path: str | Path) -> None:
+        """Stacked memory bars per candidate against the budget line (PNG; needs matplotlib)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        shown = sorted(self.candidates, key=lambda c: c.cost.total)
+        figure, axes = plt.subplots(figsize=(max(6.0, 0.6 * len(shown) + 2), 4.5))
+        positions = list(range(len(shown)))
+        bottom = [0.0] * len(shown)
+        for category in _SHOWN:
+            heights = [c.breakdown.get(category, 0) / _GIB for c in shown]
+            axes.bar(positions, heights, bottom=bottom, label=category)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        axes.scatter(positions, [c.peak_bytes / _GIB for c in shown], color="black", marker="_", s=200, label="peak")
+        axes.axhline(self.hardware.memory_gib, color="red", label=f"{self.hardware.name}")
+        axes.axhline(self.limit_bytes / _GIB, color="red", linestyle="--", label="budget less safety margin")
+        labels = [("→ " if c is self.chosen else "") + c.knobs.describe() for c in shown]
+        axes.set_xticks(positions, labels, rotation=60, ha="right", fontsize=7)
+        axes.set_ylabel("GiB (breakdown at the peak)")
+        axes.set_title("memopt-plan: predicted peak per candidate, cheapest step first")
+        axes.legend(fontsize=7, loc="upper right")
+        figure.tight_layout()
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+
+    def summary(self) -> dict[str, Any]:
+        """The chosen plan as loggable values."""
+        if self.chosen is None:
+            return {"fits": False}
+        return {
+            "fits": True,
+            **{f"knobs.{k}": v for k, v in self.chosen.knobs.as_dict().items()},
+            "predicted_peak_gib": round(self.chosen.peak_bytes / _GIB, 3),
+            "estimated_step_seconds": self.chosen.cost.total,
+            "budget_gib": round(self.hardware.memory_gib, 3),
+        }
+
+
+def _short(category: str) -> str:
+    return {"optimizer_state": "optim", "activations": "activ", "temporaries": "temps", "parameters": "params"}.get(
+        category, category[:6]
+    )

@@ -1,0 +1,395 @@
+"""plan(): profile the step without a GPU and pick the fastest configuration that fits the device.
+
+The search runs over groups of (precision, attention kernel, micro-batch size), cheapest first by
+a lower bound on their step time; a group that cannot beat the best plan found is not profiled.
+In a group, one fake-mode profile without checkpointing (the anchor) gives every checkpointing
+candidate's estimate (:mod:`~lightning_memopt.planner.estimate`); the cheapest estimates that
+could fit are then profiled with their checkpointing applied, until one fits. With several GPUs,
+FSDP sharding of each candidate is estimated from its profile.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memopt.accumulation.split import batch_size, slice_batch
+from lightning_memopt.checkpointing import Policy, apply_activation_checkpointing
+from lightning_memopt.memory.profile import LossFn, MemoryProfile, OptimizerSource, profile_step
+from lightning_memopt.memory.work import Work
+from lightning_memopt.planner.cost import StepCost, step_cost
+from lightning_memopt.planner.estimate import StepEstimate, checkpointed, from_profile
+from lightning_memopt.planner.hardware import Hardware
+from lightning_memopt.planner.knobs import Knobs, set_attention
+from lightning_memopt.planner.options import MeasuredOption, ResultChangingOption, measure_options
+from lightning_memopt.planner.report import Plan
+
+_GIB = 2**30
+# checkpointing from cheapest to most saving: (mode, every_n)
+LADDER = (("none", 1), ("selective", 1), ("full", 4), ("full", 3), ("full", 2), ("full", 1), ("offload", 1))
+
+
+class PlanError(ValueError):
+    """The budget cannot hold even the parameters, gradients and optimizer state."""
+
+
+@dataclass
+class Candidate:
+    """One configuration: its knobs, predicted memory and work, estimated step time, and how it was predicted."""
+
+    knobs: Knobs
+    estimate: StepEstimate
+    cost: StepCost
+    fits: bool
+    how: str  # "profiled", "estimated" (from the group's anchor) or "sharded" (FSDP, from a profiled candidate)
+    estimated_bytes: int | None = None  # for a profiled candidate first estimated: that estimate
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.estimate.peak_bytes
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        return self.estimate.breakdown
+
+
+@dataclass
+class _Group:
+    precision: str
+    attn_impl: str | None
+    micro_batch_size: int | None
+    lower_bound: float = 0.0
+
+
+@dataclass
+class _Search:
+    model: Callable[[], nn.Module]
+    batch: Any
+    loss_fn: LossFn | None
+    optimizer: OptimizerSource | None
+    hardware: Hardware
+    limit: int
+    devices: int
+    blocks: list[str]
+    selections: dict[int, list[str]]  # every_n -> the blocks it checkpoints
+    block_parameter_bytes: int
+    trainable_bytes: int
+    progress: Any
+    profiles: int = 0
+    candidates: list[Candidate] = field(default_factory=list)
+    skipped: list[tuple[Knobs, float]] = field(default_factory=list)
+
+    def profile(self, knobs: Knobs, model: Callable[[], nn.Module] | None = None, batch: Any = None) -> MemoryProfile:
+        """A fake-mode profile of one step with ``knobs`` applied (of another model or batch, if given)."""
+        batch = self.batch if batch is None else batch
+        if knobs.micro_batch_size is not None:
+            batch = slice_batch(batch, 0, knobs.micro_batch_size)
+
+        def prepare(model: nn.Module) -> None:
+            set_attention(model, knobs.attn_impl)
+            policy = knobs.checkpoint_policy()
+            if policy is not None:
+                apply_activation_checkpointing(model, policy)
+
+        if self.progress is not None:
+            self.progress.set_postfix_str(knobs.describe())
+        result = profile_step(
+            self.model if model is None else model,
+            batch,
+            loss_fn=self.loss_fn,
+            optimizer=self.optimizer,
+            mode="fake",
+            precision=knobs.precision,
+            steps=1,
+            warm_optimizer=True,
+            prepare_model=prepare,
+            round_to=512,
+            blocks=tuple(self.blocks) if knobs.checkpoint == "none" else (),
+        )
+        self.profiles += 1
+        if self.progress is not None:
+            self.progress.update(1)
+        return result
+
+    def micro_batches(self, knobs: Knobs) -> int:
+        size = batch_size(self.batch)
+        return 1 if knobs.micro_batch_size is None else math.ceil(size / knobs.micro_batch_size)
+
+    def accumulation_bytes(self, knobs: Knobs) -> int:
+        # micro-batches after the first run their backward with the accumulated gradients alive
+        return self.trainable_bytes if knobs.micro_batch_size is not None else 0
+
+    def candidate(self, knobs: Knobs, estimate: StepEstimate, how: str) -> Candidate:
+        parameter_bytes = estimate.breakdown.get("parameters", 0)
+        cost = step_cost(
+            estimate.step_work,
+            estimate.optimizer_work,
+            self.hardware,
+            micro_batches=self.micro_batches(knobs),
+            offloaded_bytes=estimate.offloaded_bytes,
+            shards=knobs.shards,
+            parameter_bytes=parameter_bytes / (2 if knobs.precision != "32-true" else 1),
+        )
+        found = Candidate(knobs, estimate, cost, estimate.peak_bytes <= self.limit, how)
+        self.candidates.append(found)
+        return found
+
+    def sharded(self, candidate: Candidate) -> Candidate:
+        """FSDP over ``devices``: the model states split ``devices`` ways, two blocks' parameters gathered at once."""
+        states = ("parameters", "gradients", "optimizer_state")
+        saving = int(sum(candidate.breakdown[key] for key in states) * (1 - 1 / self.devices))
+        saving -= 2 * self.block_parameter_bytes
+        breakdown = {
+            key: nbytes // self.devices if key in states else nbytes for key, nbytes in candidate.breakdown.items()
+        }
+        estimate = replace(candidate.estimate, peak_bytes=candidate.peak_bytes - max(saving, 0), breakdown=breakdown)
+        return self.candidate(replace(candidate.knobs, shards=self.devices), estimate, "sharded")
+
+
+def plan(
+    model: nn.Module | Callable[[], nn.Module],
+    batch: Any,
+    hardware: Hardware,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: OptimizerSource | None = None,
+    safety_margin: float = 0.1,
+    devices: int = 1,
+    precisions: Sequence[str] | None = None,
+    attn_impls: Sequence[str | None] | None = None,
+    micro_batching: bool | None = None,
+    options: Sequence[ResultChangingOption] = (),
+    progress: bool = False,
+    verify: int = 3,
+) -> Plan:
+    """Pick the fastest configuration whose predicted peak fits ``hardware``'s memory less the safety margin.
+
+    Args:
+        model: a module (a LightningModule supplies its own step and optimizer) or a factory
+            building one; profiled on fake tensors, never run.
+        batch: one training batch at the size to be trained.
+        hardware: the device (:func:`~lightning_memopt.planner.gpu`, :func:`~lightning_memopt.planner.with_budget`).
+        loss_fn / optimizer: for a plain module, as in :func:`~lightning_memopt.memory.profile_step`.
+        safety_margin: the fraction of memory kept free (CUDA context, fragmentation, kernels' workspaces).
+        devices: GPUs to train on; above 1, FSDP sharding is a candidate too.
+        precisions: the precisions to consider; default ``32-true`` and the device's mixed precision.
+        attn_impls: attention kernels to consider; default ``sdpa`` and ``math`` when the model has attention.
+        micro_batching: consider micro-batches with accumulation; default unless the model's
+            ``batch_coupled_loss`` is true (then micro-batching would change the loss).
+        options: result-changing options to measure against the chosen plan.
+        progress: show a progress bar of the profiles.
+        verify: the most candidates per group profiled to confirm an estimate.
+
+    Raises:
+        PlanError: the budget is smaller than parameters + gradients + optimizer state alone; the
+            message shows that breakdown and the result-changing options.
+        ValueError: a bad argument.
+
+    Example::
+
+        >>> from lightning_memopt.models import create_model
+        >>> from lightning_memopt.planner import with_budget, gpu
+        >>> result = plan(lambda: create_model("sapiens_tiny"), torch.randn(2, 3, 64, 48),
+        ...               with_budget(gpu("a100_80gb"), 0.01), loss_fn=lambda m, x: m(x).square().mean(),
+        ...               optimizer=lambda p: torch.optim.AdamW(p))
+        >>> result.chosen.fits, result.chosen.knobs.precision
+        (True, 'bf16-mixed')
+    """
+    if not 0 <= safety_margin < 1:
+        raise ValueError(f"`safety_margin`={safety_margin!r} must be in [0, 1)")
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"`devices`={devices!r} must be a positive int")
+    factory = (lambda: model) if isinstance(model, nn.Module) else model
+    with torch.device("meta"):
+        described = factory() if not isinstance(model, nn.Module) else model
+    blocks = [name for name, _ in Policy().matches(described)]
+    selections = {n: [name for name, _ in Policy(every_n=n).matches(described)] for n in {n for _, n in LADDER}}
+    block_bytes = max(
+        (_parameter_bytes(module) for name, module in described.named_modules() if name in blocks), default=0
+    )
+    trainable = sum(p.numel() * 4 for p in described.parameters() if p.requires_grad)
+    has_attention = any(isinstance(getattr(m, "attn_impl", None), str) for m in described.modules())
+    coupled = bool(getattr(described, "batch_coupled_loss", False))
+    precisions = list(precisions) if precisions is not None else ["32-true", hardware.mixed_precision]
+    attn_impls = list(attn_impls) if attn_impls is not None else (["sdpa", "math"] if has_attention else [None])
+    use_micro = (not coupled) if micro_batching is None else micro_batching
+    limit = int(hardware.memory_bytes * (1 - safety_margin))
+    progress_bar = _progress_bar() if progress else None
+    search = _Search(
+        factory,
+        batch,
+        loss_fn,
+        optimizer,
+        hardware,
+        limit,
+        devices,
+        blocks,
+        selections,
+        block_bytes,
+        trainable,
+        progress_bar,
+    )
+    groups = [
+        _Group(precision, attn, size)
+        for precision in precisions
+        for attn in attn_impls
+        for size in (_micro_batch_sizes(batch_size(batch)) if use_micro else [None])
+    ]
+    try:
+        best = _run(search, groups, verify, options)
+        measured = _measure_options(search, best, groups[0], options)
+    finally:
+        if progress_bar is not None:
+            progress_bar.close()
+    return Plan(
+        hardware=hardware,
+        limit_bytes=limit,
+        safety_margin=safety_margin,
+        candidates=search.candidates,
+        skipped=search.skipped,
+        chosen=best,
+        options=measured,
+        profiles=search.profiles,
+        micro_batch_note="" if use_micro else "micro-batching not considered: the loss couples the samples of a batch",
+    )
+
+
+def _run(
+    search: _Search, groups: list[_Group], verify: int, options: Sequence[ResultChangingOption]
+) -> Candidate | None:
+    best: Candidate | None = None
+    reference: MemoryProfile | None = None
+    pending = list(groups)
+    while pending:
+        if reference is not None:
+            for group in pending:
+                group.lower_bound = _lower_bound(search, reference, group)
+            pending.sort(key=lambda group: group.lower_bound)
+        group = pending.pop(0)
+        knobs = Knobs(group.precision, group.attn_impl, micro_batch_size=group.micro_batch_size)
+        if best is not None and group.lower_bound >= best.cost.total:
+            search.skipped.append((knobs, group.lower_bound))
+            continue
+        anchor = search.profile(knobs)
+        if reference is None:
+            reference = anchor
+            _check_model_states(search, anchor, options)
+        found = _search_group(search, group, anchor, verify)
+        if found is not None and (best is None or found.cost.total < best.cost.total):
+            best = found
+    return best
+
+
+def _search_group(search: _Search, group: _Group, anchor: MemoryProfile, verify: int) -> Candidate | None:
+    base = Knobs(group.precision, group.attn_impl, micro_batch_size=group.micro_batch_size)
+    extra = search.accumulation_bytes(base)
+    estimates: list[Candidate] = [search.candidate(base, from_profile(anchor, extra), "profiled")]
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    for mode, every_n in LADDER[1:]:
+        chosen = search.selections[every_n]
+        key = (mode, tuple(chosen))
+        if not chosen or key in seen:
+            continue
+        seen.add(key)
+        knobs = replace(base, checkpoint=mode, every_n=every_n)
+        estimates.append(search.candidate(knobs, checkpointed(anchor, chosen, mode, extra), "estimated"))
+    best: Candidate | None = estimates[0] if estimates[0].fits else None
+    profiled = [estimates[0]]
+    tries = 0
+    for estimate in sorted(estimates[1:], key=lambda c: c.cost.total):
+        if best is not None and estimate.cost.total >= best.cost.total:
+            break
+        if tries >= verify or estimate.peak_bytes > search.limit * 1.1:
+            continue
+        tries += 1
+        search.candidates.remove(estimate)  # the profile replaces the estimate
+        confirmed = search.candidate(estimate.knobs, from_profile(search.profile(estimate.knobs), extra), "profiled")
+        confirmed.estimated_bytes = estimate.peak_bytes
+        profiled.append(confirmed)
+        if confirmed.fits and (best is None or confirmed.cost.total < best.cost.total):
+            best = confirmed
+    if search.devices > 1:
+        best = _best_sharded(search, profiled, best)
+    return best
+
+
+def _best_sharded(search: _Search, profiled: list[Candidate], best: Candidate | None) -> Candidate | None:
+    for candidate in profiled:
+        sharded = search.sharded(candidate)
+        if sharded.fits and (best is None or sharded.cost.total < best.cost.total):
+            best = sharded
+    return best
+
+
+def _measure_options(
+    search: _Search, best: Candidate | None, first: _Group, options: Sequence[ResultChangingOption]
+) -> list[MeasuredOption]:
+    if not options:
+        return []
+    if best is not None and best.knobs.shards == 1:
+        exact = best.how == "profiled" and best.knobs.micro_batch_size is None
+        return measure_options(search.profile, best.knobs, options, best.peak_bytes if exact else None)
+    return measure_options(search.profile, Knobs(first.precision, first.attn_impl, checkpoint="full"), options)
+
+
+def _lower_bound(search: _Search, reference: MemoryProfile, group: _Group) -> float:
+    """No group step is faster than the reference's work with every flop at the group's precision, unrecomputed."""
+    work = reference.work(("forward", "backward"))
+    flops = work.flops
+    half = group.precision != "32-true"
+    size = batch_size(search.batch)
+    share = 1.0 if group.micro_batch_size is None else group.micro_batch_size / size
+    micro = Work(
+        half_flops=flops * share if half else 0.0,
+        full_flops=0.0 if half else flops * share,
+        bytes_written=work.bytes_written * share * (0.5 if half and reference.precision == "32-true" else 1.0),
+        kernels=work.kernels,
+    )
+    knobs = Knobs(group.precision, group.attn_impl, micro_batch_size=group.micro_batch_size)
+    return step_cost(micro, reference.work(("optimizer",)), search.hardware, search.micro_batches(knobs)).total
+
+
+def _check_model_states(search: _Search, anchor: MemoryProfile, options: Sequence[ResultChangingOption]) -> None:
+    states = {
+        "parameters": anchor.breakdown["parameters"],
+        "gradients": search.trainable_bytes,
+        "optimizer_state": anchor.breakdown["optimizer_state"],
+    }
+    shards = search.devices
+    if sum(states.values()) / shards <= search.limit:
+        return
+    lines = [f"  {name:<16}{nbytes / _GIB:>9.2f} GiB" for name, nbytes in states.items()]
+    listed = "\n".join(f"  - {option.name}: {option.caveat}" for option in options) or "  (none for this model)"
+    raise PlanError(
+        f"the budget {search.limit / _GIB:.2f} GiB ({search.hardware.name}, less the safety margin) is smaller "
+        f"than the model states alone ({sum(states.values()) / _GIB:.2f} GiB"
+        + (f", {sum(states.values()) / shards / _GIB:.2f} GiB per GPU sharded {shards} ways" if shards > 1 else "")
+        + "):\n"
+        + "\n".join(lines)
+        + "\nno setting that keeps the result can fit; options that change the result:\n"
+        + listed
+    )
+
+
+def _micro_batch_sizes(size: int) -> list[int | None]:
+    sizes: list[int | None] = [None]
+    current = size
+    while current > 1:
+        current = math.ceil(current / 2)
+        sizes.append(current)
+    return sizes
+
+
+def _parameter_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _progress_bar() -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(desc="memopt-plan: profiling candidates", unit="profile", total=None, leave=False)
