@@ -14,7 +14,7 @@ from typing_extensions import override
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
 from lightning_memopt.callbacks.precision_switch import PrecisionSwitch
-from lightning_memopt.planner import Hardware, Knobs, Plan, cuda_hardware, measure_cpu, plan, with_budget
+from lightning_memopt.planner import Hardware, Knobs, Plan, PlanError, cuda_hardware, measure_cpu, plan, with_budget
 from lightning_memopt.planner import gpu as catalogue_gpu
 from lightning_memopt.planner.knobs import set_attention
 
@@ -31,7 +31,8 @@ class MemoryBudget(Callback):
     through :class:`ActivationCheckpointing`, micro-batches through :class:`AdaptiveAccumulation`
     (added in every case: it stays on as the run-time safety net against an OOM), the attention
     kernel by switching the model's attention modules. Under DDP rank 0 plans and every rank
-    applies its plan. The knobs are saved in checkpoints, so a resumed run applies the same ones.
+    applies its plan. The knobs are saved in checkpoints; resuming with other knobs is refused (pass
+    the saved ones as ``knobs``).
     ``plan`` holds the result; the table is logged at INFO on rank 0.
 
     Args:
@@ -103,26 +104,35 @@ class MemoryBudget(Callback):
                 f"MemoryBudget applies its plan through {', '.join(c.__name__ for c in _APPLIED_BY)}; remove the "
                 f"Trainer's own {', '.join(others)} (or drop MemoryBudget)"
             )
-        knobs = self.knobs or self._resumed_knobs(trainer) or self._plan(trainer, pl_module)
+        knobs = self.knobs or self._plan(trainer, pl_module)
         self.knobs = knobs
         self._apply(trainer, pl_module, knobs)
 
     def _plan(self, trainer: Trainer, pl_module: LightningModule) -> Knobs:
         knobs: dict[str, Any] | None = None
+        failure = ""
         if trainer.is_global_zero:
-            self.plan = plan(
-                pl_module,
-                self._batch(trainer),
-                self._hardware(pl_module.device),
-                safety_margin=self.safety_margin,
-                verify=self.verify,
-            )
-            rank_zero_info(f"MemoryBudget:\n{self.plan.table()}")
-            knobs = self.plan.chosen.knobs.as_dict() if self.plan.chosen is not None else None
-        knobs = trainer.strategy.broadcast(knobs)
+            try:
+                self.plan = plan(
+                    pl_module,
+                    self._batch(trainer),
+                    self._hardware(pl_module.device),
+                    safety_margin=self.safety_margin,
+                    verify=self.verify,
+                )
+            except PlanError as error:
+                failure = str(error)
+            else:
+                rank_zero_info(f"MemoryBudget:\n{self.plan.table()}")
+                chosen = self.plan.chosen
+                knobs = chosen.knobs.as_dict() if chosen is not None else None
+                failure = (
+                    "" if chosen is not None else f"no configuration that keeps the result fits:\n{self.plan.table()}"
+                )
+        # every rank learns the outcome, so none waits on a rank that failed
+        knobs, failure = trainer.strategy.broadcast((knobs, failure))
         if knobs is None:
-            table = self.plan.table() if self.plan is not None else "(planned on rank 0)"
-            raise MisconfigurationException(f"MemoryBudget: no configuration that keeps the result fits:\n{table}")
+            raise MisconfigurationException(f"MemoryBudget: {failure}")
         return Knobs(**knobs)
 
     def _hardware(self, device: torch.device) -> Hardware:
@@ -142,18 +152,9 @@ class MemoryBudget(Callback):
     def _batch(self, trainer: Trainer) -> Any:
         if self.sample_batch is not None:
             return self.sample_batch
-        datamodule = getattr(trainer, "datamodule", None)
-        loader = (
-            datamodule.train_dataloader() if datamodule is not None else trainer.lightning_module.train_dataloader()
-        )
+        # the training loader from wherever fit() got it: a datamodule, the module, or fit's arguments
+        loader = trainer.fit_loop._data_source.dataloader()
         return next(iter(loader))
-
-    def _resumed_knobs(self, trainer: Trainer) -> Knobs | None:
-        if not trainer.ckpt_path:
-            return None
-        checkpoint = torch.load(trainer.ckpt_path, map_location="cpu", mmap=True, weights_only=False)
-        saved = checkpoint.get("callbacks", {}).get(self.state_key, {}).get("knobs")
-        return Knobs(**saved) if saved is not None else None
 
     def _apply(self, trainer: Trainer, pl_module: LightningModule, knobs: Knobs) -> None:
         if knobs.shards > 1:
@@ -201,9 +202,13 @@ class MemoryBudget(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callback states after setup has applied a plan: a resumed run must have the same one
         saved = state_dict.get("knobs")
-        if saved is not None:
-            self.knobs = Knobs(**saved)
+        if saved is not None and self.knobs is not None and Knobs(**saved) != self.knobs:
+            raise MisconfigurationException(
+                f"MemoryBudget: the checkpoint was trained with {Knobs(**saved).describe()!r} but this run planned "
+                f"{self.knobs.describe()!r}; resume with MemoryBudget(knobs={saved!r}) to continue the same run"
+            )
 
 
 def _callbacks(trainer: Trainer) -> list[Callback]:

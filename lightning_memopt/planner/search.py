@@ -109,7 +109,7 @@ class _Search:
             warm_optimizer=True,
             prepare_model=prepare,
             round_to=512,
-            blocks=tuple(self.blocks) if knobs.checkpoint == "none" else (),
+            blocks=tuple(self.blocks) if knobs.checkpoint == "none" and model is None else (),
         )
         self.profiles += 1
         if self.progress is not None:
@@ -177,7 +177,7 @@ def plan(
         loss_fn / optimizer: for a plain module, as in :func:`~lightning_memopt.memory.profile_step`.
         safety_margin: the fraction of memory kept free (CUDA context, fragmentation, kernels' workspaces).
         devices: GPUs to train on; above 1, FSDP sharding is a candidate too.
-        precisions: the precisions to consider; default ``32-true`` and the device's mixed precision.
+        precisions: the precisions to consider; default the device's mixed precision and ``32-true``.
         attn_impls: attention kernels to consider; default ``sdpa`` and ``math`` when the model has attention.
         micro_batching: consider micro-batches with accumulation; default unless the model's
             ``batch_coupled_loss`` is true (then micro-batching would change the loss).
@@ -215,7 +215,7 @@ def plan(
     trainable = sum(p.numel() * 4 for p in described.parameters() if p.requires_grad)
     has_attention = any(isinstance(getattr(m, "attn_impl", None), str) for m in described.modules())
     coupled = bool(getattr(described, "batch_coupled_loss", False))
-    precisions = list(precisions) if precisions is not None else ["32-true", hardware.mixed_precision]
+    precisions = list(precisions) if precisions is not None else [hardware.mixed_precision, "32-true"]
     attn_impls = list(attn_impls) if attn_impls is not None else (["sdpa", "math"] if has_attention else [None])
     use_micro = (not coupled) if micro_batching is None else micro_batching
     limit = int(hardware.memory_bytes * (1 - safety_margin))
@@ -363,17 +363,21 @@ def _check_model_states(search: _Search, anchor: MemoryProfile, options: Sequenc
     shards = search.devices
     if sum(states.values()) / shards <= search.limit:
         return
-    lines = [f"  {name:<16}{nbytes / _GIB:>9.2f} GiB" for name, nbytes in states.items()]
+    lines = [f"  {name:<16}{_format(nbytes):>12}" for name, nbytes in states.items()]
     listed = "\n".join(f"  - {option.name}: {option.caveat}" for option in options) or "  (none for this model)"
     raise PlanError(
-        f"the budget {search.limit / _GIB:.2f} GiB ({search.hardware.name}, less the safety margin) is smaller "
-        f"than the model states alone ({sum(states.values()) / _GIB:.2f} GiB"
-        + (f", {sum(states.values()) / shards / _GIB:.2f} GiB per GPU sharded {shards} ways" if shards > 1 else "")
+        f"the budget {_format(search.limit)} ({search.hardware.name}, less the safety margin) is smaller "
+        f"than the model states alone ({_format(sum(states.values()))}"
+        + (f", {_format(sum(states.values()) // shards)} per GPU sharded {shards} ways" if shards > 1 else "")
         + "):\n"
         + "\n".join(lines)
         + "\nno setting that keeps the result can fit; options that change the result:\n"
         + listed
     )
+
+
+def _format(nbytes: float) -> str:
+    return f"{nbytes / _GIB:.2f} GiB" if nbytes >= _GIB else f"{nbytes / 2**20:.2f} MiB"
 
 
 def _micro_batch_sizes(size: int) -> list[int | None]:

@@ -1,0 +1,108 @@
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from lightning_memopt import ActivationCheckpointing, AdaptiveAccumulation, MemoryBudget, PrecisionSwitch
+from lightning_memopt.cli.config import config_dir
+from lightning_memopt.planner import Knobs
+from lightning_memopt.planner.config import train_command
+from lightning_memopt.tasks import NormalEstimationModule
+from tests.helpers import quiet_trainer
+
+BATCH = (torch.randn(4, 3, 64, 48), torch.nn.functional.normalize(torch.randn(4, 3, 64, 48), dim=1))
+
+
+def _module():
+    return NormalEstimationModule(backbone="sapiens_tiny", warmup_steps=0)
+
+
+def _loader():
+    images, normals = BATCH
+    data = [
+        {"image": images[i], "normal": normals[i], "mask": torch.ones(1, 64, 48, dtype=torch.bool)} for i in range(4)
+    ]
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def _fit(budget_callback, tmp_path, **trainer_options):
+    trainer = quiet_trainer(max_steps=2, callbacks=[budget_callback], default_root_dir=tmp_path, **trainer_options)
+    trainer.fit(_module(), train_dataloaders=_loader())
+    return trainer
+
+
+def test_a_tight_budget_plans_and_applies_checkpointing(tmp_path):
+    budget = MemoryBudget(budget=9.0 / 1024)  # GiB: less than the step needs without checkpointing
+    trainer = _fit(budget, tmp_path)
+    assert budget.plan is not None and budget.plan.chosen is not None
+    assert budget.knobs == budget.plan.chosen.knobs and budget.knobs.checkpoint != "none"
+    kinds = {type(c) for c in budget.applied}
+    assert AdaptiveAccumulation in kinds and ActivationCheckpointing in kinds
+    assert trainer.global_step == 2
+
+
+def test_given_knobs_are_applied_without_planning_and_survive_resume(tmp_path):
+    knobs = {"precision": "bf16-mixed", "checkpoint": "full", "every_n": 2, "micro_batch_size": 2}
+    budget = MemoryBudget(knobs=knobs)
+    trainer = _fit(budget, tmp_path)
+    assert budget.plan is None
+    assert {type(c) for c in budget.applied} == {AdaptiveAccumulation, PrecisionSwitch, ActivationCheckpointing}
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=False)["callbacks"][budget.state_key]["knobs"] == Knobs(**knobs).as_dict()
+    resumed = MemoryBudget(knobs=knobs)
+    trainer = quiet_trainer(max_steps=3, callbacks=[resumed], default_root_dir=tmp_path)
+    trainer.fit(_module(), train_dataloaders=_loader(), ckpt_path=path)
+    assert trainer.global_step == 3 and resumed.knobs == Knobs(**knobs)
+    replanned = quiet_trainer(max_steps=3, callbacks=[MemoryBudget(budget=1.0)], default_root_dir=tmp_path)
+    with pytest.raises(MisconfigurationException, match="the checkpoint was trained with 'bf16-mixed, full every 2"):
+        replanned.fit(_module(), train_dataloaders=_loader(), ckpt_path=path)
+
+
+def test_off_cuda_a_budget_is_needed(tmp_path):
+    with pytest.raises(MisconfigurationException, match="`budget` \\(GiB\\) is needed on a cpu device"):
+        _fit(MemoryBudget(), tmp_path)
+
+
+def test_callbacks_that_would_apply_the_plan_twice_are_refused(tmp_path):
+    trainer = quiet_trainer(max_steps=1, callbacks=[MemoryBudget(budget=1.0), PrecisionSwitch("32-true")])
+    with pytest.raises(MisconfigurationException, match="remove the Trainer's own PrecisionSwitch"):
+        trainer.fit(_module(), train_dataloaders=_loader())
+
+
+def test_nothing_fitting_is_an_error_with_the_table(tmp_path):
+    with pytest.raises(MisconfigurationException, match="model states alone|no configuration that keeps the result"):
+        _fit(MemoryBudget(budget=1.0 / 1024), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"gpu": "a6000"}, "Unknown `gpu`='a6000'; valid names: v100_16gb"),
+        ({"budget": -1}, "`budget`=-1 GiB must be positive"),
+        ({"safety_margin": 1.0}, "`safety_margin`=1.0 must be in"),
+        ({"knobs": {"precision": "fp8"}}, "Unknown `precision`='fp8'"),
+        ({"knobs": {"layers": 2}}, "unexpected keyword argument 'layers'"),
+    ],
+)
+def test_bad_arguments_are_named(arguments, message):
+    with pytest.raises(MisconfigurationException, match=message.replace("(", r"\(")):
+        MemoryBudget(**arguments)
+
+
+def test_the_printed_command_composes_to_the_same_knobs():
+    knobs = Knobs("bf16-mixed", "sdpa", "full", every_n=2, micro_batch_size=8)
+    command = train_command(["model=sapiens_2b", "gpu=a800_80gb", "plan.png=x.png"], knobs)
+    overrides = command.split()[1:]
+    assert "gpu=a800_80gb" not in overrides and "plan.png=x.png" not in overrides
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    (callback,) = [instantiate(c) for c in cfg.memopt.callbacks.values()]
+    assert isinstance(callback, MemoryBudget) and callback.knobs == knobs
+
+
+def test_a_sharded_plan_prints_the_fsdp_command():
+    command = train_command(["model=sapiens_2b"], Knobs("bf16-mixed", checkpoint="full", shards=4))
+    assert "strategy=fsdp_memopt" in command and "trainer.devices=4" in command and "precision=bf16_mixed" in command
+    assert "memopt.callbacks.activation_checkpointing.policy={modules:preset,mode:full}" in command

@@ -1,0 +1,155 @@
+import pytest
+import torch
+
+from lightning_memopt.checkpointing import apply_activation_checkpointing
+from lightning_memopt.memory import SimulatedDevice, profile_step
+from lightning_memopt.models import create_model
+from lightning_memopt.planner import GPUS, Knobs, PlanError, ResultChangingOption, gpu, plan, with_budget
+from lightning_memopt.planner.knobs import set_attention
+
+_MIB = 2**20
+BATCH = torch.randn(4, 3, 64, 48)
+
+
+def _model():
+    return create_model("sapiens_tiny")
+
+
+def _loss(model, batch):
+    return model(batch).square().mean()
+
+
+def _optimizer(parameters):
+    return torch.optim.AdamW(parameters)
+
+
+def _plan(budget_mib, **options):
+    hardware = with_budget(gpu("a100_80gb"), budget_mib / 1024)
+    return plan(_model, BATCH, hardware, loss_fn=_loss, optimizer=_optimizer, **options)
+
+
+def _real_peak(knobs: Knobs, budget_bytes: int) -> int:
+    """Run the plan's step for real on the CPU inside a SimulatedDevice of the budget (raises past it)."""
+
+    def prepare(model):
+        set_attention(model, knobs.attn_impl)
+        if knobs.checkpoint_policy() is not None:
+            apply_activation_checkpointing(model, knobs.checkpoint_policy())
+
+    with SimulatedDevice(budget_bytes):
+        profile = profile_step(
+            _model, BATCH, loss_fn=_loss, optimizer=_optimizer, precision=knobs.precision, steps=2,
+            prepare_model=prepare, round_to=512,
+        )  # fmt: skip
+    return profile.peak_bytes
+
+
+def test_a_roomy_budget_gets_the_fastest_configuration_without_checkpointing():
+    result = _plan(64.0)
+    assert result.chosen is not None and result.chosen.knobs.checkpoint == "none"
+    assert result.chosen.how == "profiled" and result.chosen.fits
+    # every other group is skipped by the lower bound or profiled: nothing fitting is cheaper
+    cheaper = [c for c in result.candidates if c.fits and c.cost.total < result.chosen.cost.total]
+    assert not cheaper
+
+
+@pytest.mark.parametrize("budget_mib", [10.0, 8.5, 7.5])
+def test_a_tight_budget_gets_a_plan_whose_real_peak_fits_and_uses_most_of_it(budget_mib):
+    result = _plan(budget_mib)
+    assert result.chosen is not None, result.table()
+    assert result.chosen.peak_bytes <= result.limit_bytes
+    real = _real_peak(result.chosen.knobs, int(budget_mib * _MIB))  # would raise an OOM past the budget
+    assert real <= budget_mib * _MIB
+    assert real >= 0.7 * budget_mib * _MIB, result.table()
+
+
+def test_checkpointing_estimates_are_close_to_their_profiles():
+    result = _plan(8.0, verify=10)
+    confirmed = [c for c in result.candidates if c.estimated_bytes is not None]
+    assert confirmed
+    for candidate in confirmed:
+        assert abs(candidate.estimated_bytes - candidate.peak_bytes) <= 0.1 * candidate.peak_bytes, candidate
+
+
+def test_micro_batching_is_left_out_when_the_loss_couples_the_batch():
+    def coupled():
+        model = _model()
+        model.batch_coupled_loss = True
+        return model
+
+    result = plan(coupled, BATCH, with_budget(gpu("a100_80gb"), 5.0 / 1024), loss_fn=_loss, optimizer=_optimizer)
+    assert all(c.knobs.micro_batch_size is None for c in result.candidates)
+    assert "micro-batching not considered" in result.table()
+
+
+def test_several_gpus_add_sharded_candidates():
+    result = _plan(4.5, devices=4)
+    sharded = [c for c in result.candidates if c.knobs.shards == 4]
+    assert sharded and all(c.how == "sharded" for c in sharded)
+    unsharded = {c.knobs: c for c in result.candidates if c.how == "profiled"}
+    for candidate in sharded:
+        source = unsharded[Knobs(**{**candidate.knobs.as_dict(), "shards": 1})]
+        assert candidate.peak_bytes < source.peak_bytes
+        assert candidate.breakdown["parameters"] == source.breakdown["parameters"] // 4
+
+
+def test_a_budget_below_the_model_states_is_refused_with_the_breakdown_and_the_options():
+    option = ResultChangingOption("patch_size 16 → 32", "leaves the pre-trained weights", ("x=1",))
+    with pytest.raises(PlanError) as error:
+        _plan(2.0, options=[option])
+    message = str(error.value)
+    for part in ("parameters", "gradients", "optimizer_state", "patch_size 16 → 32", "leaves the pre-trained"):
+        assert part in message
+
+
+def test_options_are_measured_against_the_chosen_knobs():
+    def shallow():
+        return create_model("sapiens_tiny", depth=1)
+
+    option = ResultChangingOption("depth 2 → 1", "a smaller network", ("model.backbone_options.depth=1",), shallow)
+    result = _plan(64.0, options=[option])
+    (measured,) = result.options
+    assert measured.saving_bytes > 0
+    assert measured.peak_bytes + measured.saving_bytes == result.chosen.peak_bytes
+    assert "depth 2 → 1" in result.table()
+
+
+def test_unknown_gpu_lists_the_catalogue():
+    with pytest.raises(ValueError, match="valid names: v100_16gb, v100_32gb") as error:
+        gpu("a6000")
+    assert all(name in str(error.value) for name in GPUS)
+
+
+def test_catalogue_flags_bf16():
+    assert gpu("v100_32gb").mixed_precision == "16-mixed" and gpu("t4_16gb").bf16 is False
+    assert gpu("a800_80gb").mixed_precision == "bf16-mixed" and gpu("h200_141gb").memory_gib > 140
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"precision": "fp8"}, "Unknown `precision`='fp8'; valid choices: 32-true, bf16-mixed, 16-mixed"),
+        ({"checkpoint": "half"}, "Unknown `checkpoint`='half'; valid choices: none, selective, full, offload"),
+        ({"every_n": 0}, "`every_n`=0 must be a positive int"),
+        ({"micro_batch_size": 0}, "`micro_batch_size`=0 must be a positive int or None"),
+        ({"attn_impl": "flash"}, "Unknown `attn_impl`='flash'; valid choices: sdpa, math"),
+    ],
+)
+def test_bad_knobs_are_named(arguments, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Knobs(**arguments)
+
+
+def test_bad_plan_arguments_are_named():
+    with pytest.raises(ValueError, match=r"`safety_margin`=1.5 must be in \[0, 1\)"):
+        _plan(8.0, safety_margin=1.5)
+    with pytest.raises(ValueError, match="`devices`=0 must be a positive int"):
+        _plan(8.0, devices=0)
+    with pytest.raises(ValueError, match="`budget`=0 GiB must be positive"):
+        with_budget(gpu("t4_16gb"), 0)
+
+
+def test_the_chart_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    _plan(8.0).write_chart(tmp_path / "plan.png")
+    assert (tmp_path / "plan.png").stat().st_size > 1000
