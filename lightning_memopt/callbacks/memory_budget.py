@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -36,8 +37,8 @@ class MemoryBudget(Callback):
     ``plan`` holds the result; the table is logged at INFO on rank 0.
 
     Args:
-        budget: GiB to plan for; default the device's memory (required off CUDA, where there is no
-            device memory to read: the budget of a :class:`~lightning_memopt.memory.SimulatedDevice`).
+        budget: GiB to plan for; default the device's memory (off CUDA: the host memory available
+            now; give a budget to plan for a :class:`~lightning_memopt.memory.SimulatedDevice`).
         gpu: a catalogue name whose rates (and memory, unless ``budget``) to plan for; default the
             live device.
         safety_margin: the fraction of memory kept free.
@@ -48,8 +49,8 @@ class MemoryBudget(Callback):
 
     Raises:
         MisconfigurationException: bad arguments (in ``__init__``); in ``setup``: a strategy other
-            than single-device or DDP, a callback that would apply the knobs twice, no ``budget``
-            off CUDA, or no configuration that fits (with the candidates table).
+            than single-device or DDP, a callback that would apply the knobs twice, or no configuration
+            that fits (with the candidates table).
 
     Example::
 
@@ -140,13 +141,9 @@ class MemoryBudget(Callback):
             hardware = catalogue_gpu(self.hardware_name)
         elif device.type == "cuda":
             hardware = cuda_hardware(device)
-        elif self.budget is None:
-            raise MisconfigurationException(
-                f"MemoryBudget: `budget` (GiB) is needed on a {device.type} device, which has no memory size "
-                "to plan for"
-            )
-        else:
-            return measure_cpu(int(self.budget * _GIB))
+        else:  # off CUDA the memory is the host's: what is available now, unless a budget is given
+            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+            return measure_cpu(int(self.budget * _GIB) if self.budget is not None else available)
         return hardware if self.budget is None else with_budget(hardware, self.budget)
 
     def _batch(self, trainer: Trainer) -> Any:

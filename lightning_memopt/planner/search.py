@@ -215,7 +215,7 @@ def plan(
     trainable = sum(p.numel() * 4 for p in described.parameters() if p.requires_grad)
     has_attention = any(isinstance(getattr(m, "attn_impl", None), str) for m in described.modules())
     coupled = bool(getattr(described, "batch_coupled_loss", False))
-    precisions = list(precisions) if precisions is not None else [hardware.mixed_precision, "32-true"]
+    precisions = list(precisions) if precisions is not None else ["32-true", hardware.mixed_precision]
     attn_impls = list(attn_impls) if attn_impls is not None else (["sdpa", "math"] if has_attention else [None])
     use_micro = (not coupled) if micro_batching is None else micro_batching
     limit = int(hardware.memory_bytes * (1 - safety_margin))

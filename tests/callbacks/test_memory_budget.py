@@ -60,11 +60,6 @@ def test_given_knobs_are_applied_without_planning_and_survive_resume(tmp_path):
         replanned.fit(_module(), train_dataloaders=_loader(), ckpt_path=path)
 
 
-def test_off_cuda_a_budget_is_needed(tmp_path):
-    with pytest.raises(MisconfigurationException, match="`budget` \\(GiB\\) is needed on a cpu device"):
-        _fit(MemoryBudget(), tmp_path)
-
-
 def test_callbacks_that_would_apply_the_plan_twice_are_refused(tmp_path):
     trainer = quiet_trainer(max_steps=1, callbacks=[MemoryBudget(budget=1.0), PrecisionSwitch("32-true")])
     with pytest.raises(MisconfigurationException, match="remove the Trainer's own PrecisionSwitch"):
