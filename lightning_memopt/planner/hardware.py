@@ -9,6 +9,7 @@ on one device, so the rates matter through their ratios.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -138,11 +139,11 @@ def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5) -> Hardwar
     big = torch.empty(8 * _MIB // 4)
     tiny = torch.ones(8)
 
-    def best(run: object) -> float:
+    def best(run: Callable[[], object]) -> float:
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            run()  # type: ignore[operator]
+            run()
             times.append(time.perf_counter() - start)
         return min(times)
 

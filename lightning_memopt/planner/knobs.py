@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch import nn
@@ -79,14 +79,7 @@ class Knobs:
 
     def as_dict(self) -> dict[str, Any]:
         """The knobs as plain values (the ``knobs`` argument of :class:`~lightning_memopt.MemoryBudget`)."""
-        return {
-            "precision": self.precision,
-            "attn_impl": self.attn_impl,
-            "checkpoint": self.checkpoint,
-            "every_n": self.every_n,
-            "micro_batch_size": self.micro_batch_size,
-            "shards": self.shards,
-        }
+        return asdict(self)
 
 
 def set_attention(model: nn.Module, attn_impl: str | None) -> int:

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -9,7 +11,7 @@ from lightning_memopt.cli.config import config_dir
 from lightning_memopt.planner import Knobs
 from lightning_memopt.planner.config import train_command
 from lightning_memopt.tasks import NormalEstimationModule
-from tests.helpers import quiet_trainer
+from tests.helpers import quiet_trainer, run_script
 
 BATCH = (torch.randn(4, 3, 64, 48), torch.nn.functional.normalize(torch.randn(4, 3, 64, 48), dim=1))
 
@@ -101,3 +103,24 @@ def test_a_sharded_plan_prints_the_fsdp_command():
     command = train_command(["model=sapiens_2b"], Knobs("bf16-mixed", checkpoint="full", shards=4))
     assert "strategy=fsdp_memopt" in command and "trainer.devices=4" in command and "precision=bf16_mixed" in command
     assert "memopt.callbacks.activation_checkpointing.policy={modules:preset,mode:full}" in command
+
+
+def _ddp_ranks(tmp_path, budget_mib):
+    script = Path(__file__).with_name("memory_budget_ddp_run.py")
+    result = run_script(script, [str(tmp_path), str(budget_mib)], cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+
+
+def test_under_ddp_rank_0_plans_and_every_rank_applies_its_plan(tmp_path):
+    rank0, rank1 = _ddp_ranks(tmp_path, 9.0)
+    assert rank0["planned_here"] and not rank1["planned_here"]
+    assert rank0["knobs"] == rank1["knobs"] and rank0["knobs"]["checkpoint"] != "none"
+    assert rank0["applied"] == rank1["applied"]
+    assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"], strict=True))
+
+
+def test_under_ddp_a_failed_plan_stops_every_rank_with_its_message(tmp_path):
+    rank0, rank1 = _ddp_ranks(tmp_path, 1.0)
+    assert rank0["error"] == rank1["error"]
+    assert "smaller than the model states alone" in rank0["error"]
