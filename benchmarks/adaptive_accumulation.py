@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ import lightning.pytorch as pl
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from results import cpu_trainer, write_csv  # a sibling script: run from benchmarks/ or as a path
+from results import StepTimes, cpu_trainer, write_csv  # a sibling script: run from benchmarks/ or as a path
 
 from lightning_memopt import AdaptiveAccumulation
 from lightning_memopt.cli.config import config_dir
@@ -45,20 +44,6 @@ from lightning_memopt.memory import MemoryTracker, SimulatedDevice
 LOST_TARGET = 1.0  # issue 7: the time lost to recovery is at most one step
 STEADY_TARGET = 0.05  # and the recovered size runs within 5% of a run started at it
 _GIB = 2**30
-
-
-class StepTimes(pl.Callback):
-    """Wall seconds of every training batch."""
-
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self._start = 0.0
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
 
 
 def train(cfg: Any, steps: int, callbacks: list[pl.Callback], device: Any) -> list[float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,3 +31,17 @@ def cpu_trainer(steps: int, callbacks: list[pl.Callback], **options: Any) -> pl.
         callbacks=callbacks,
         **options,
     )
+
+
+class StepTimes(pl.Callback):
+    """Wall seconds of every training batch."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.seconds.append(time.perf_counter() - self._start)

@@ -10,7 +10,6 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
 from lightning_memopt.memory.oom import is_oom_error
@@ -120,10 +119,7 @@ class MemoryMonitor(Callback):
             return
         # off CUDA the figures come from a tracker that runs through this one step only
         self.tracker = MemoryTracker(record_timeline=True)
-        self.tracker.track_module(pl_module)
-        for optimizer in trainer.optimizers:
-            self.tracker.track_optimizer(optimizer)
-        self.tracker.track(tree_flatten(batch)[0], "inputs", op="batch")
+        self.tracker.track_training_state(pl_module, trainer.optimizers, batch)
         self.tracker.phase = "forward"
         self.tracker.__enter__()
 

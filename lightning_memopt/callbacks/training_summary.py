@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import resource
 import sys
 import time
@@ -10,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
+
+from lightning_memopt.memory.tracker import MemoryTracker
 
 
 @dataclass
@@ -20,6 +24,7 @@ class FitSummary:
 
     steps: int = 0
     samples: int = 0
+    timed_samples: int = 0  # the samples of the timed batches (off CUDA the memory-counted batch is not timed)
     train_seconds: float = 0.0
     final_loss: float | None = None
     peak_memory_bytes: int | None = None
@@ -27,7 +32,7 @@ class FitSummary:
 
     @property
     def samples_per_second(self) -> float:
-        return self.samples / self.train_seconds if self.train_seconds > 0 else 0.0
+        return self.timed_samples / self.train_seconds if self.train_seconds > 0 else 0.0
 
     def format(self) -> str:
         """A short human-readable table."""
@@ -89,11 +94,22 @@ class TrainingSummary(Callback):
     Time counts the training loop (data loading, forward, backward, optimizer, other callbacks), not
     validation or start-up; a CUDA device is synchronised only where timing starts and stops.
     Samples are counted over all ranks. Peak memory is the CUDA allocator's peak on a GPU (reset at
-    fit start), else the process's peak resident set size (reset at fit start on Linux, so each job
-    of a multirun reports its own).
+    fit start). Off CUDA it is the live tensor bytes of one training batch (``memory_batch``)
+    counted by a :class:`~lightning_memopt.memory.MemoryTracker` — parameters, gradients,
+    optimizer state, the batch and the step's tensors, the same every run — and that batch's time
+    and samples are left out of the throughput; a fit that ends before that batch reports the
+    process's peak resident set size instead.
 
     Args:
         loss_key: the logged metric reported as the final loss.
+        memory_batch: off CUDA, the training batch (0-based) whose memory is counted; the default 1
+            is the first that starts with the optimizer state.
+        csv_path: append the figures to this CSV file at fit end (rank 0), one row per fit; a sweep's
+            jobs all write to one file.
+        label: the ``label`` column of that row (``memopt-train`` writes the job's overrides).
+
+    Raises:
+        MisconfigurationException: a negative ``memory_batch``.
 
     Example::
 
@@ -102,15 +118,29 @@ class TrainingSummary(Callback):
         0
     """
 
-    def __init__(self, loss_key: str = "train/loss") -> None:
+    def __init__(
+        self,
+        loss_key: str = "train/loss",
+        memory_batch: int = 1,
+        csv_path: str | Path | None = None,
+        label: str = "",
+    ) -> None:
+        if memory_batch < 0:
+            raise MisconfigurationException(f"`memory_batch`={memory_batch!r} must be 0 or more")
         self.loss_key = loss_key
+        self.memory_batch = memory_batch
+        self.csv_path = Path(csv_path) if csv_path is not None else None
+        self.label = label
         self.summary = FitSummary()
         self._stretch_started: float | None = None
+        self._batches = 0
+        self._tracker: MemoryTracker | None = None
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.summary = FitSummary()
         self._stretch_started = None
+        self._batches = 0
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
             self.summary.peak_memory_source = "CUDA allocator peak"
@@ -132,6 +162,12 @@ class TrainingSummary(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if pl_module.device.type != "cuda" and self._batches == self.memory_batch:
+            self._close_stretch(pl_module)  # the counted batch is slower: keep it out of the throughput
+            self._tracker = MemoryTracker()
+            self._tracker.track_training_state(pl_module, trainer.optimizers, batch)
+            self._tracker.__enter__()
+            return
         if self._stretch_started is None:
             if pl_module.device.type == "cuda":
                 torch.cuda.synchronize(pl_module.device)
@@ -141,7 +177,26 @@ class TrainingSummary(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.summary.samples += _batch_size(batch) * trainer.world_size
+        self._batches += 1
+        samples = _batch_size(batch) * trainer.world_size
+        self.summary.samples += samples
+        if self._tracker is not None:
+            self._stop_tracking()
+        else:
+            self.summary.timed_samples += samples
+
+    def _stop_tracking(self) -> None:
+        if self._tracker is None:
+            return
+        self._tracker.__exit__(None, None, None)
+        self._tracker.remove_hooks()
+        self.summary.peak_memory_bytes = self._tracker.peak.total_bytes
+        self.summary.peak_memory_source = f"live tensor bytes of training batch {self.memory_batch} (MemoryTracker)"
+        self._tracker = None
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._stop_tracking()
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -158,11 +213,34 @@ class TrainingSummary(Callback):
         self.summary.final_loss = None if loss is None else float(loss)
         if pl_module.device.type == "cuda":
             self.summary.peak_memory_bytes = torch.cuda.max_memory_allocated(pl_module.device)
-        else:
+        elif self._batches <= self.memory_batch:  # the counted batch never ran
             self.summary.peak_memory_bytes = _process_peak_rss_bytes()
         if trainer.is_global_zero:
             print(self.summary.format(), flush=True)
+            if self.csv_path is not None:
+                append_row(self.csv_path, {"label": self.label, **self.as_dict()})
 
     def as_dict(self) -> dict[str, Any]:
         """The measured figures as a plain dict (``samples_per_second`` included)."""
         return {**asdict(self.summary), "samples_per_second": self.summary.samples_per_second}
+
+
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    """Append ``row`` to the CSV at ``path``, writing the header first if the file is new.
+
+    Raises:
+        ValueError: the file's header has other columns than ``row``.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and path.stat().st_size:
+        with path.open(newline="") as handle:
+            header = next(csv.reader(handle))
+        if header != list(row):
+            raise ValueError(f"`csv_path`={str(path)!r} has the columns {header}, not {list(row)}")
+        with path.open("a", newline="") as handle:
+            csv.DictWriter(handle, fieldnames=header).writerow(row)
+        return
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(row))
+        writer.writeheader()
+        writer.writerow(row)

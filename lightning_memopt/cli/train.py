@@ -59,7 +59,8 @@ def train(cfg: DictConfig) -> FitSummary:
         pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
-    summary = TrainingSummary()
+    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    summary = TrainingSummary(csv_path=cfg.get("results_csv"), label=" ".join(overrides))
     callbacks = instantiate_named(cfg.get("callbacks"), "callbacks")
     callbacks += instantiate_named(cfg.memopt.get("callbacks"), "memopt.callbacks")
     loggers = instantiate_named(cfg.get("logger"), "logger")

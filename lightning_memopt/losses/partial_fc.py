@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from lightning_memopt.losses.margin import CombinedMarginLoss
 
@@ -68,18 +69,21 @@ class PartialFC(nn.Module):
         Raises:
             ValueError: for labels outside ``[0, num_classes)``.
         """
-        positives = torch.unique(labels, sorted=True)  # syncs with the host, as any sampling must
-        if positives[0] < 0 or positives[-1] >= self.num_classes:
-            raise ValueError(
-                f"labels must lie in [0, {self.num_classes}) for `num_classes`={self.num_classes}; "
-                f"got values in [{int(positives[0])}, {int(positives[-1])}]"
-            )
-        if positives.numel() >= self.num_sample:
-            class_index = positives
-        else:  # every positive scores 2, every other class a uniform draw below 1: top-k keeps them all
-            score = torch.rand(self.num_classes, device=labels.device)
-            score[positives] = 2.0
-            class_index = score.topk(self.num_sample, sorted=False).indices.sort().values
+        if not is_fake(labels):  # fake tensors (memory planning) have no values to check
+            low, high = int(labels.min()), int(labels.max())  # syncs with the host, as any sampling must
+            if low < 0 or high >= self.num_classes:
+                raise ValueError(
+                    f"labels must lie in [0, {self.num_classes}) for `num_classes`={self.num_classes}; "
+                    f"got values in [{low}, {high}]"
+                )
+        if labels.numel() >= self.num_sample:  # enough samples for the positives alone to fill the sample
+            positives = torch.unique(labels, sorted=True)
+            if positives.numel() >= self.num_sample:
+                return positives, torch.searchsorted(positives, labels)
+        # every positive scores 2, every other class a uniform draw below 1: top-k keeps them all
+        score = torch.rand(self.num_classes, device=labels.device)
+        score[labels] = 2.0
+        class_index = score.topk(self.num_sample, sorted=False).indices.sort().values
         return class_index, torch.searchsorted(class_index, labels)
 
     def forward(self, embeddings: Tensor, labels: Tensor, reduction: str = "mean") -> tuple[Tensor, Tensor, Tensor]:

@@ -245,6 +245,13 @@ class MemoryTracker(TorchDispatchMode):
             self._hooks.append(child.register_forward_pre_hook(self._enter_module(name)))
             self._hooks.append(child.register_forward_hook(self._leave_module))
 
+    def track_training_state(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], batch: Any) -> None:
+        """Count what a training step starts with: ``module`` (as :meth:`track_module`), optimizer state, batch."""
+        self.track_module(module)
+        for optimizer in optimizers:
+            self.track_optimizer(optimizer)
+        self.track(tree_flatten(batch)[0], "inputs", op="batch")
+
     def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Count the tensors already in ``optimizer.state`` as optimizer state."""
         self.track(_state_tensors(optimizer), "optimizer_state", op="optimizer state")
@@ -360,11 +367,17 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func is _DEVICE_QUERY:
+            return out
         category = _CATEGORY_OF_PHASE[self.phase]
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 self._add(tensor, category, str(func.overloadpacket.__name__))
         return out
+
+
+# `tensor.device` of a fake tensor reaches the modes as this op (autocast and autograd ask often): no storage
+_DEVICE_QUERY = torch.ops.prim.device.default
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

@@ -31,6 +31,9 @@ class Hardware:
         host_link_gbps: device ↔ host copies (activation offload), GB/s each way.
         peer_link_gbps: device ↔ device (FSDP gathers and reductions), GB/s each way.
         kernel_seconds: the fixed cost of one kernel launch.
+        fused_attention_wins: fused attention (``sdpa``) is at least as fast as the materialised
+            one (``math``) here, as on every GPU; the planner then leaves ``math`` out, since it
+            also never needs less memory.
     """
 
     name: str
@@ -42,6 +45,7 @@ class Hardware:
     host_link_gbps: float
     peer_link_gbps: float
     kernel_seconds: float = 5e-6
+    fused_attention_wins: bool = True
 
     @property
     def memory_gib(self) -> float:
@@ -152,4 +156,4 @@ def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5) -> Hardwar
     half_rate = flops / best(lambda: half @ half) / 1e12
     copy = 2 * big.nbytes / best(lambda: big.clone()) / 1e9
     kernel = best(lambda: [tiny.add(1) for _ in range(100)]) / 100
-    return Hardware("cpu", memory_bytes, True, full, half_rate, copy, copy, copy, kernel)
+    return Hardware("cpu", memory_bytes, True, full, half_rate, copy, copy, copy, kernel, fused_attention_wins=False)

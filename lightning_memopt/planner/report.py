@@ -29,7 +29,7 @@ class Plan:
     chosen: Candidate | None
     options: list[MeasuredOption] = field(default_factory=list)
     profiles: int = 0
-    micro_batch_note: str = ""
+    notes: list[str] = field(default_factory=list)  # the knobs left out of the search, and why
 
     @property
     def fits(self) -> bool:
@@ -59,8 +59,7 @@ class Plan:
         for knobs, bound in self.skipped:
             bound_text = f"not profiled: cannot beat the choice (≥ {bound:.4f} s)"
             lines.append(f"  {knobs.describe():<44}{'—':>9}  {bound_text}")
-        if self.micro_batch_note:
-            lines.append(self.micro_batch_note)
+        lines += self.notes
         if self.chosen is None:
             lines.append("no configuration that keeps the result fits")
         else:

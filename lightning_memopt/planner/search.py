@@ -178,7 +178,8 @@ def plan(
         safety_margin: the fraction of memory kept free (CUDA context, fragmentation, kernels' workspaces).
         devices: GPUs to train on; above 1, FSDP sharding is a candidate too.
         precisions: the precisions to consider; default the device's mixed precision and ``32-true``.
-        attn_impls: attention kernels to consider; default ``sdpa`` and ``math`` when the model has attention.
+        attn_impls: attention kernels to consider; default ``sdpa`` when the model has attention,
+            and ``math`` too on a device where fused attention may be slower (the CPU).
         micro_batching: consider micro-batches with accumulation; default unless the model's
             ``batch_coupled_loss`` is true (then micro-batching would change the loss).
         options: result-changing options to measure against the chosen plan.
@@ -215,9 +216,23 @@ def plan(
     trainable = sum(p.numel() * 4 for p in described.parameters() if p.requires_grad)
     has_attention = any(isinstance(getattr(m, "attn_impl", None), str) for m in described.modules())
     coupled = bool(getattr(described, "batch_coupled_loss", False))
-    precisions = list(precisions) if precisions is not None else ["32-true", hardware.mixed_precision]
-    attn_impls = list(attn_impls) if attn_impls is not None else (["sdpa", "math"] if has_attention else [None])
+    precisions = list(precisions) if precisions is not None else [hardware.mixed_precision, "32-true"]
+    notes = []
+    if attn_impls is not None:
+        attn_impls = list(attn_impls)
+    elif not has_attention:
+        attn_impls = [None]
+    elif hardware.fused_attention_wins:
+        attn_impls = ["sdpa"]
+        notes.append(
+            f"math attention not considered: on {hardware.name} fused attention (sdpa) needs no more memory "
+            "and no more time with any other knobs"
+        )
+    else:
+        attn_impls = ["sdpa", "math"]
     use_micro = (not coupled) if micro_batching is None else micro_batching
+    if not use_micro:
+        notes.append("micro-batching not considered: the loss couples the samples of a batch")
     limit = int(hardware.memory_bytes * (1 - safety_margin))
     progress_bar = _progress_bar() if progress else None
     search = _Search(
@@ -255,7 +270,7 @@ def plan(
         chosen=best,
         options=measured,
         profiles=search.profiles,
-        micro_batch_note="" if use_micro else "micro-batching not considered: the loss couples the samples of a batch",
+        notes=notes,
     )
 
 

@@ -1,11 +1,13 @@
+import csv
 import sys
 
 import pytest
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt.callbacks import TrainingSummary
-from lightning_memopt.callbacks.training_summary import _process_peak_rss_bytes, _reset_process_peak_rss
+from lightning_memopt.callbacks.training_summary import _process_peak_rss_bytes, _reset_process_peak_rss, append_row
 from lightning_memopt.tasks import FaceRecognitionModule
 from tests.helpers import quiet_trainer
 
@@ -25,10 +27,52 @@ def test_summary_counts_steps_samples_and_reports_the_last_logged_loss(tmp_path,
     figures = summary.as_dict()
     assert figures["steps"] == 3 and figures["samples"] == 18
     assert figures["final_loss"] == pytest.approx(float(trainer.callback_metrics["train/loss"]))
-    assert figures["samples_per_second"] == pytest.approx(18 / figures["train_seconds"])
-    assert figures["peak_memory_bytes"] > 10 * 2**20
+    # the second batch's memory is counted on the CPU: its 6 samples are left out of the throughput
+    assert figures["timed_samples"] == 12
+    assert figures["samples_per_second"] == pytest.approx(12 / figures["train_seconds"])
     printed = "".join(capsys.readouterr())
     assert "memopt-train summary" in printed and "optimizer steps   3" in printed
+
+
+def test_off_cuda_the_peak_is_the_counted_batch_s_live_tensor_bytes_the_same_every_fit(tmp_path):
+    first, second = TrainingSummary(), TrainingSummary()
+    trainer = _fit(tmp_path, first)
+    _fit(tmp_path, second)
+    assert first.summary.peak_memory_source == "live tensor bytes of training batch 1 (MemoryTracker)"
+    assert first.summary.peak_memory_bytes == second.summary.peak_memory_bytes
+    model = trainer.lightning_module
+    states = sum(t.numel() * t.element_size() for t in model.parameters()) * 2  # parameters and gradients
+    states += sum(t.numel() * t.element_size() for s in trainer.optimizers[0].state.values() for t in s.values())
+    assert first.summary.peak_memory_bytes > states
+
+
+def test_a_fit_that_ends_before_the_counted_batch_reports_the_process_peak(tmp_path):
+    summary = TrainingSummary(memory_batch=5)
+    _fit(tmp_path, summary, max_steps=2)
+    assert "RSS" in summary.summary.peak_memory_source and summary.summary.peak_memory_bytes > 10 * 2**20
+    assert summary.summary.timed_samples == summary.summary.samples == 12
+
+
+def test_each_fit_appends_a_row_to_the_csv(tmp_path):
+    path = tmp_path / "runs" / "grid.csv"
+    _fit(tmp_path, TrainingSummary(csv_path=path, label="a=1"))
+    _fit(tmp_path, TrainingSummary(csv_path=path, label="a=2"), max_steps=2)
+    with path.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["label"], row["steps"]) for row in rows] == [("a=1", "3"), ("a=2", "2")]
+    assert int(rows[0]["peak_memory_bytes"]) > 0 and float(rows[1]["samples_per_second"]) > 0
+
+
+def test_a_csv_with_other_columns_is_refused(tmp_path):
+    path = tmp_path / "grid.csv"
+    path.write_text("label,loss\nx,1\n")
+    with pytest.raises(ValueError, match="has the columns \\['label', 'loss'\\]"):
+        append_row(path, {"label": "y", "steps": 1})
+
+
+def test_a_negative_memory_batch_is_refused():
+    with pytest.raises(MisconfigurationException, match="`memory_batch`=-1 must be 0 or more"):
+        TrainingSummary(memory_batch=-1)
 
 
 def test_a_second_fit_starts_a_fresh_summary(tmp_path):

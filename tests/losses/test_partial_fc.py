@@ -88,3 +88,15 @@ def test_labels_outside_the_classes_are_refused_when_sampling():
     head = PartialFC(num_classes=10, embedding_size=4, sample_rate=0.5)
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 10\).*got values in \[0, 10\]"):
         head(torch.randn(2, 4), torch.tensor([0, 10]))
+
+
+def test_sampling_runs_on_fake_tensors_with_the_real_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    head = PartialFC(num_classes=1000, embedding_size=16, sample_rate=0.1)
+    with FakeTensorMode() as mode:
+        fake_head = PartialFC(num_classes=1000, embedding_size=16, sample_rate=0.1)
+        labels = mode.from_tensor(torch.randint(0, 1000, (32,)))
+        _, cosine, target = fake_head(torch.randn(32, 16), labels)
+    _, real_cosine, _ = head(torch.randn(32, 16), torch.randint(0, 1000, (32,)))
+    assert cosine.shape == real_cosine.shape == (32, 100) and target.shape == (32,)

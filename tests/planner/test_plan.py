@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lightning_memopt.checkpointing import apply_activation_checkpointing
-from lightning_memopt.memory import SimulatedDevice, profile_step
+from lightning_memopt.memory import SimulatedDevice
 from lightning_memopt.models import create_model
 from lightning_memopt.planner import GPUS, Knobs, PlanError, ResultChangingOption, gpu, plan, with_budget
 from lightning_memopt.planner.knobs import set_attention
@@ -29,19 +29,22 @@ def _plan(budget_mib, **options):
 
 
 def _real_peak(knobs: Knobs, budget_bytes: int) -> int:
-    """Run the plan's step for real on the CPU inside a SimulatedDevice of the budget (raises past it)."""
-
-    def prepare(model):
+    """Train two real CPU steps with ``knobs`` inside a SimulatedDevice of the budget (it raises past it)."""
+    with SimulatedDevice(budget_bytes) as device:
+        model = _model()
         set_attention(model, knobs.attn_impl)
         if knobs.checkpoint_policy() is not None:
             apply_activation_checkpointing(model, knobs.checkpoint_policy())
-
-    with SimulatedDevice(budget_bytes):
-        profile = profile_step(
-            _model, BATCH, loss_fn=_loss, optimizer=_optimizer, precision=knobs.precision, steps=2,
-            prepare_model=prepare, round_to=512,
-        )  # fmt: skip
-    return profile.peak_bytes
+        optimizer = _optimizer(model.parameters())
+        size = knobs.micro_batch_size or len(BATCH)
+        for _ in range(2):
+            for micro in BATCH.split(size):
+                with torch.autocast("cpu", torch.bfloat16, enabled=knobs.precision == "bf16-mixed"):
+                    loss = _loss(model, micro) * len(micro) / len(BATCH)
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return device.peak.total_bytes
 
 
 def test_a_roomy_budget_gets_the_fastest_configuration_without_checkpointing():
@@ -53,7 +56,7 @@ def test_a_roomy_budget_gets_the_fastest_configuration_without_checkpointing():
     assert not cheaper
 
 
-@pytest.mark.parametrize("budget_mib", [10.0, 8.5, 7.5])
+@pytest.mark.parametrize("budget_mib", [8.0, 6.0, 5.5, 4.5])
 def test_a_tight_budget_gets_a_plan_whose_real_peak_fits_and_uses_most_of_it(budget_mib):
     result = _plan(budget_mib)
     assert result.chosen is not None, result.table()
@@ -64,11 +67,12 @@ def test_a_tight_budget_gets_a_plan_whose_real_peak_fits_and_uses_most_of_it(bud
 
 
 def test_checkpointing_estimates_are_close_to_their_profiles():
-    result = _plan(8.0, verify=10)
+    result = _plan(5.0, verify=10)
     confirmed = [c for c in result.candidates if c.estimated_bytes is not None]
     assert confirmed
-    for candidate in confirmed:
-        assert abs(candidate.estimated_bytes - candidate.peak_bytes) <= 0.1 * candidate.peak_bytes, candidate
+    for candidate in confirmed:  # within 5% under (a plan that may not fit) and 15% over (a wasted budget)
+        error = (candidate.estimated_bytes - candidate.peak_bytes) / candidate.peak_bytes
+        assert -0.05 <= error <= 0.15, candidate
 
 
 def test_micro_batching_is_left_out_when_the_loss_couples_the_batch():

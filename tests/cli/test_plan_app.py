@@ -1,0 +1,64 @@
+import csv
+
+import pytest
+
+from tests.helpers import REPO_ROOT, TINY_NORMALS, run_memopt_train, run_python
+
+_KNOB = "memopt.callbacks.memory_budget.knobs."
+TINY_PLAN = ["model=sapiens_tiny", "data.image_size=[64,48]", "data.batch_size=2"]
+
+
+def _memopt_plan(args, cwd):
+    return run_python(["-m", "lightning_memopt.cli.plan", *args], cwd, timeout=600)
+
+
+def test_memopt_plan_prints_the_candidates_the_choice_and_its_command_and_writes_the_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = _memopt_plan([*TINY_PLAN, "budget=0.006", "plan.png=plan.png"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "candidate" in out and "peak MiB" in out and "chosen: " in out
+    command = out.split("run it with:\n")[1].strip()
+    assert command.startswith("memopt-train model=sapiens_tiny data.image_size=[64,48] data.batch_size=2 ")
+    assert "data=synthetic_normals" in command and f"memopt=planned {_KNOB}precision=" in command
+    assert "budget=" not in command
+    assert "backbone sapiens_tiny" not in out  # the tiny preset has no smaller sibling
+    assert "patch_size 16 → 32" in out  # the result-changing options, measured
+    assert (tmp_path / "plan.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("gpu=a6000", "Unknown `gpu`='a6000'; valid names: v100_16gb, v100_32gb, t4_16gb"),
+        ("budget=0.0005", "is smaller than the model states alone"),
+    ],
+)
+def test_memopt_plan_names_bad_input(tmp_path, override, message):
+    result = _memopt_plan([*TINY_PLAN, override], tmp_path)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_the_memory_grid_sweep_writes_one_csv_row_per_run(tmp_path):
+    grid = [f"{_KNOB}precision=32-true", f"{_KNOB}checkpoint=none,full", f"{_KNOB}micro_batch_size=null"]
+    result = run_memopt_train(["-m", "sweep=memory_grid", "model=sapiens_tiny", "data=synthetic_normals", *TINY_NORMALS, "trainer.max_steps=3", *grid], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = tmp_path.glob("logs/train/multiruns/*/memory_grid.csv")
+    with path.open(newline="") as handle:
+        rows = {row["label"].split(f"{_KNOB}checkpoint=")[1].split()[0]: row for row in csv.DictReader(handle)}
+    assert set(rows) == {"none", "full"}
+    assert all("MemoryTracker" in row["peak_memory_source"] for row in rows.values())
+    assert int(rows["full"]["peak_memory_bytes"]) < int(rows["none"]["peak_memory_bytes"])
+    assert all(float(row["samples_per_second"]) > 0 for row in rows.values())
+
+
+def test_the_pareto_script_reads_the_sweep(tmp_path):
+    path = tmp_path / "grid.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["label", "peak_memory_bytes", "samples_per_second"])
+        writer.writerows([[f"{_KNOB}checkpoint=none", 3 * 2**20, 9.0], [f"{_KNOB}checkpoint=full", 2**20, 6.0]])
+    result = run_python([str(REPO_ROOT / "benchmarks" / "pareto.py"), str(path), "--budget-mib", "2"], tmp_path, 120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fastest within 2.0 MiB: checkpoint=full" in result.stdout
