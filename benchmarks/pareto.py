@@ -1,6 +1,7 @@
 """The Pareto table and chart of a ``memory_grid`` sweep: which knob settings trade memory for speed best.
 
-    memopt-train sweep=memory_grid model=sapiens_tiny data=synthetic_normals 'data.image_size=[64,48]' data.batch_size=4
+    memopt-train sweep=memory_grid model=sapiens_tiny model.warmup_steps=1 data=synthetic_normals \\
+      'data.image_size=[64,48]' data.batch_size=4
     python benchmarks/pareto.py logs/train/multiruns/<time>/memory_grid.csv [--png pareto.png] [--budget-mib 12]
 
 Prints every run by increasing peak memory with its throughput, marks the runs on the front (no

@@ -1,13 +1,15 @@
 """The planner against an exhaustive ``memory_grid`` sweep on the CPU (issue 11, acceptance b).
 
-    python benchmarks/plan_vs_sweep.py [--budgets-mib 9 7 5.5] [--rounds 3] [--steps 6] [--sweep-csv PATH]
+    python benchmarks/plan_vs_sweep.py [--budgets-mib 10 9 6 4.5] [--rounds 6] [--steps 8] [--sweep-csv PATH]
 
 1. The sweep: ``memopt-train sweep=memory_grid`` on sapiens_tiny (synthetic normals at 64×48,
-   batch 4) over every knob — precision × attention kernel × checkpointing (mode × every_n) ×
-   micro-batch size — each run's peak counted by the MemoryTracker (live tensor bytes of its second
-   batch) and its throughput, kept in memory_grid.csv (skipped when ``--sweep-csv`` gives a sweep's file).
+   batch 4) over every knob — precision × attention kernel × checkpointing (every mode at every_n
+   1 and 2, full at 3 and 4) × micro-batch size — each run's peak counted by the MemoryTracker
+   (live tensor bytes of its second batch) and its throughput, kept in memory_grid.csv (skipped
+   when ``--sweep-csv`` gives a sweep's file).
 2. For each budget, ``plan()`` for a CPU whose memory is the budget (``measure_cpu``: this
-   machine's rates), exactly as ``MemoryBudget(budget=...)`` plans off CUDA.
+   machine's rates), as ``MemoryBudget(budget=..., safety_margin=0)`` plans off CUDA: no safety
+   margin, since a SimulatedDevice has no CUDA context or fragmentation to leave room for.
 3. The plan's real peak is its run's in the sweep: it must be ≤ the budget and ≥ 70 % of it.
 4. Its step time against the fastest configuration that fits the budget: the three fastest fitting
    runs of the sweep and the plan are trained again side by side, interleaved round by round in one
@@ -43,23 +45,33 @@ TIME_TARGET = 1.10  # and steps within 10 % of the fastest configuration that fi
 CONTENDERS = 3
 GRID_CSV = Path(__file__).with_name("memory_grid.csv")  # the sweep's runs, kept for --sweep-csv
 _MIB = 2**20
-BASE = ["model=sapiens_tiny", "data=synthetic_normals", "data.image_size=[64,48]", "data.batch_size=4"]
+BASE = [
+    "model=sapiens_tiny",
+    "model.warmup_steps=1",
+    "data=synthetic_normals",
+    "data.image_size=[64,48]",
+    "data.batch_size=4",
+]
 _KNOB = "memopt.callbacks.memory_budget.knobs."
-GRID = [
-    f"{_KNOB}precision=32-true,bf16-mixed",
-    f"{_KNOB}attn_impl=sdpa,math",
-    f"{_KNOB}checkpoint=none,selective,full,offload",
-    f"{_KNOB}every_n=1,2",
-    f"{_KNOB}micro_batch_size=null,2,1",
+_COMMON = [f"{_KNOB}precision=32-true,bf16-mixed", f"{_KNOB}attn_impl=sdpa,math", f"{_KNOB}micro_batch_size=null,2,1"]
+# every checkpoint mode at every_n 1 and 2, and full checkpointing of every 3rd and 4th block (the planner's ladder)
+GRIDS = [
+    [*_COMMON, f"{_KNOB}checkpoint=none,selective,full,offload", f"{_KNOB}every_n=1,2"],
+    [*_COMMON, f"{_KNOB}checkpoint=full", f"{_KNOB}every_n=3,4"],
 ]
 
 
 def run_sweep(directory: Path) -> Path:
-    """The exhaustive sweep, one ``memopt-train`` multirun; returns its CSV."""
-    command = ["memopt-train", "-m", "sweep=memory_grid", *BASE, *GRID, "logger=none", f"hydra.sweep.dir={directory}"]
-    print("sweep:", " ".join(command), flush=True)
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    return directory / "memory_grid.csv"
+    """The exhaustive sweep, ``memopt-train`` multiruns into one CSV; returns it."""
+    path = directory / "memory_grid.csv"
+    for index, grid in enumerate(GRIDS):
+        command = ["memopt-train", "-m", "sweep=memory_grid", *BASE, *grid, "logger=none"]
+        command += [f"hydra.sweep.dir={directory / str(index)}", f"results_csv={path}"]
+        print("sweep:", " ".join(command), flush=True)
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode:
+            raise SystemExit(f"the sweep failed:\n{result.stderr[-3000:]}")
+    return path
 
 
 def knobs_of(run: SweepRun) -> Knobs:
@@ -95,9 +107,9 @@ def step_seconds(cfg, contenders: dict[str, Knobs], rounds: int, steps: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budgets-mib", type=float, nargs="+", default=[9.0, 7.0, 5.5])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--budgets-mib", type=float, nargs="+", default=[10.0, 9.0, 6.0, 4.5])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--sweep-csv", default=None, help="an earlier sweep's memory_grid.csv")
     parser.add_argument("--csv", default=str(Path(__file__).with_suffix(".csv")))
     args = parser.parse_args()
@@ -113,7 +125,8 @@ def main() -> None:
     rows, failures = [], []
     for budget_mib in args.budgets_mib:
         budget = int(budget_mib * _MIB)
-        result = plan(lambda: instantiate(cfg.model), batch, measure_cpu(budget))
+        # no safety margin: a SimulatedDevice counts exact bytes, with no CUDA context or fragmentation
+        result = plan(lambda: instantiate(cfg.model), batch, measure_cpu(budget), safety_margin=0.0)
         if result.chosen is None:
             failures.append(f"{budget_mib} MiB: no plan")
             continue

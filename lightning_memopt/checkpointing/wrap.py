@@ -84,20 +84,18 @@ def checkpoint_modules(model: nn.Module, policy: Any) -> CheckpointReport:
         matches = rule.matches(model)
         if not matches:
             raise ValueError(f"Checkpointing policy {rule.describe()} matches no module; {describe_model(model)}")
-        taken = [
-            (name, module)
-            for name, module in matches
-            if name not in claimed
-            and not _overlaps(name, claimed)
-            and (name in already or not _overlaps(name, already))
-        ]
+        taken = 0
+        for name, module in matches:  # parents come before their children: the outermost match is kept
+            if name in claimed or _overlaps(name, claimed) or (name not in already and _overlaps(name, already)):
+                continue
+            claimed[name] = (module, rule.mode)
+            taken += 1
         if not taken:
             log.warning(
                 "Checkpointing policy %s matched %d modules, all inside or around modules an earlier policy took",
                 rule.describe(),
                 len(matches),
             )
-        claimed.update((name, (module, rule.mode)) for name, module in taken)
     for module, mode in claimed.values():
         _wrap(module, mode)
     report = CheckpointReport()

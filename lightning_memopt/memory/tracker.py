@@ -57,6 +57,11 @@ def host_memory() -> Iterator[None]:
         _HOST_ALLOCATION.active = previous
 
 
+def allocating_on_host() -> bool:
+    """Whether the running code is inside :func:`host_memory` (an offload copy, not device work)."""
+    return bool(getattr(_HOST_ALLOCATION, "active", False))
+
+
 @dataclass
 class StorageRecord:
     """One live storage: its size, what it is, and where it was made."""
@@ -76,6 +81,8 @@ class BlockAccount:
 
     saved_bytes: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
+    calls: int = 0  # forward calls of the block in the step
+    output_bytes: int = 0  # its outputs still alive (the next block saves them: offloading it moves them too)
 
     def bytes_made_by(self, ops: Iterable[str]) -> int:
         """The saved bytes that the named ops made (e.g. the matmuls selective checkpointing keeps)."""
@@ -151,6 +158,7 @@ class MemoryTracker(TorchDispatchMode):
         self._module_stack: list[str] = []
         self._block_stack: list[str] = []
         self._block_outputs: dict[str, set[int]] = {}  # block -> storage keys of its latest outputs
+        self._block_calls: dict[str, int] = {}
         self._hooks: list[Any] = []
         self._lock = threading.RLock()
         self._events = 0
@@ -162,7 +170,7 @@ class MemoryTracker(TorchDispatchMode):
     def _add(self, tensor: torch.Tensor, category: str, op: str) -> StorageRecord | None:
         storage = tensor.untyped_storage()
         key = id(storage)
-        if getattr(_HOST_ALLOCATION, "active", False):
+        if allocating_on_host():
             self._add_host(storage, key)
             return None
         with self._lock:
@@ -279,6 +287,7 @@ class MemoryTracker(TorchDispatchMode):
     def _enter_block(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             self._block_stack.append(name)
+            self._block_calls[name] = self._block_calls.get(name, 0) + 1
 
         return hook
 
@@ -293,14 +302,15 @@ class MemoryTracker(TorchDispatchMode):
 
     def block_accounts(self) -> dict[str, BlockAccount]:
         """Live activation bytes per tracked block, outputs excluded (call it between forward and backward)."""
-        accounts: dict[str, BlockAccount] = {}
+        accounts = {name: BlockAccount(calls=calls) for name, calls in self._block_calls.items()}
         with self._lock:
             for key, record in self._records.items():
                 if not record.block or record.category != "activations":
                     continue
+                account = accounts.setdefault(record.block, BlockAccount(calls=1))
                 if key in self._block_outputs.get(record.block, ()):
+                    account.output_bytes += record.nbytes
                     continue
-                account = accounts.setdefault(record.block, BlockAccount())
                 account.saved_bytes += record.nbytes
                 account.by_op[record.op] = account.by_op.get(record.op, 0) + record.nbytes
         return accounts

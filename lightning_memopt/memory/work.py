@@ -18,6 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from lightning_memopt.memory.tracker import allocating_on_host
+
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _NOT_KERNELS = frozenset({"detach", "alias", "lift_fresh", "_to_copy_noop"})
 
@@ -99,8 +101,8 @@ class WorkCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func.overloadpacket
-        if func.namespace != "aten" or func.is_view or packet.__name__ in _NOT_KERNELS:
-            return out
+        if func.namespace != "aten" or func.is_view or packet.__name__ in _NOT_KERNELS or allocating_on_host():
+            return out  # (offload copies are priced by the bytes offloaded, over the host link)
         key = (getattr(self.context, "phase", ""), getattr(self.context, "current_block", ""))
         work = self.counts[key]
         written = sum(t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))

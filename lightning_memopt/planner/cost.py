@@ -17,10 +17,11 @@ class StepCost:
     launch: float  # a fixed cost per kernel: what makes small micro-batches inefficient
     offload: float  # offloaded activations to the host and back
     communication: float  # FSDP: gather the parameters twice, reduce-scatter the gradients
+    checkpointing: float = 0.0  # the host-side cost of the checkpointed regions (hooks, bookkeeping)
 
     @property
     def total(self) -> float:
-        return self.compute + self.memory + self.launch + self.offload + self.communication
+        return self.compute + self.memory + self.launch + self.offload + self.communication + self.checkpointing
 
 
 def step_cost(
@@ -31,6 +32,9 @@ def step_cost(
     offloaded_bytes: float = 0.0,
     shards: int = 1,
     parameter_bytes: float = 0.0,
+    checkpoint_mode: str = "none",
+    regions: int = 0,
+    region_kernels: float = 0.0,
 ) -> StepCost:
     """The time of one optimizer step: ``micro_batches`` forward/backward passes and one optimizer update.
 
@@ -42,6 +46,8 @@ def step_cost(
         offloaded_bytes: activation bytes one micro-batch offloads to the host (copied back in backward).
         shards: FSDP shards (1: none).
         parameter_bytes: the parameters' bytes in the compute precision (what FSDP gathers).
+        checkpoint_mode / regions / region_kernels: the checkpointing mode, its checkpointed block
+            calls per micro-batch and the forward kernels inside them.
 
     Example::
 
@@ -57,4 +63,6 @@ def step_cost(
     offload = 2 * offloaded_bytes * micro_batches / (hardware.host_link_gbps * 1e9)
     gathered = 3 * parameter_bytes * (shards - 1) / shards * micro_batches
     communication = gathered / (hardware.peer_link_gbps * 1e9)
-    return StepCost(compute, memory, launch, offload, communication)
+    per_call, per_kernel = hardware.region_seconds.get(checkpoint_mode, (0.0, 0.0))
+    checkpointing = (regions * per_call + region_kernels * per_kernel) * micro_batches
+    return StepCost(compute, memory, launch, offload, communication, checkpointing)

@@ -1,10 +1,12 @@
 """Estimate a checkpointing candidate from the profile of the same step without checkpointing (the anchor).
 
 The anchor's profile says what each preset block's forward leaves alive for the backward pass and
-what its forward costs. Checkpointing a block frees what it left (full and offload: everything;
-selective: everything but the matmul, convolution and attention outputs), re-materialises it while
-that block's backward runs, and adds its forward again (full), its cheap ops (selective) or a copy
-to the host and back (offload). The planner confirms the estimate it picks with a profile of its own.
+what its forward costs. Checkpointing a block frees what it left (full: everything; offload: that
+and its outputs, which the next offloaded block saves; selective: everything but the matmul,
+convolution and attention outputs), re-materialises it while that block's backward runs, and adds
+its forward again (full), its cheap ops (selective) or a copy to the host and back (offload), plus
+the host-side cost of each checkpointed call. The planner confirms the estimate it picks with a
+profile of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class StepEstimate:
     step_work: Work
     optimizer_work: Work
     offloaded_bytes: float
+    regions: int = 0  # checkpointed block calls per micro-batch
+    region_kernels: float = 0.0  # the forward kernels inside them
 
 
 def from_profile(profile: MemoryProfile, extra_bytes: int = 0) -> StepEstimate:
@@ -72,7 +76,10 @@ def checkpointed(anchor: MemoryProfile, blocks: list[str], mode: str, extra_byte
             forward if mode == "full" else forward.without_matmuls() if mode == "selective" else Work()
         )
     offloaded = float(sum(freed.values())) if mode == "offload" else 0.0
-    return StepEstimate(peak, breakdown, anchor.work(STEP_PHASES) + recompute, anchor.work(("optimizer",)), offloaded)
+    regions = sum(anchor.blocks[name].calls if name in anchor.blocks else 1 for name in blocks)
+    region_kernels = anchor.work(("forward",), tuple(blocks)).kernels
+    step_work = anchor.work(STEP_PHASES) + recompute
+    return StepEstimate(peak, breakdown, step_work, anchor.work(("optimizer",)), offloaded, regions, region_kernels)
 
 
 def _freed_bytes(anchor: MemoryProfile, block: str, mode: str) -> int:
@@ -81,4 +88,6 @@ def _freed_bytes(anchor: MemoryProfile, block: str, mode: str) -> int:
         return 0
     if mode == "selective":
         return account.saved_bytes - account.bytes_made_by(SAVED_OP_NAMES)
+    if mode == "offload":  # every saved tensor leaves, the block inputs the next offloaded block saves too
+        return account.saved_bytes + account.output_bytes
     return account.saved_bytes

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
+from torch import nn
 
+from lightning_memopt.checkpointing.wrap import checkpoint_modules
+from lightning_memopt.memory.work import WorkCounter
+
+CHECKPOINT_MODES = ("full", "selective", "offload")
 _GIB = 2**30
 _MIB = 2**20
 
@@ -31,6 +37,11 @@ class Hardware:
         host_link_gbps: device ↔ host copies (activation offload), GB/s each way.
         peer_link_gbps: device ↔ device (FSDP gathers and reductions), GB/s each way.
         kernel_seconds: the fixed cost of one kernel launch.
+        region_seconds: the host-side cost of checkpointing, by mode (``full``, ``selective``,
+            ``offload``): seconds per checkpointed block call and per forward kernel inside it
+            (saved-tensor hooks, recomputation bookkeeping, selective's per-op policy). Empty
+            (nothing) for the catalogue GPUs, whose kernels hide it in the steps worth planning;
+            measured by :func:`measure_cpu`.
         fused_attention_wins: fused attention (``sdpa``) is at least as fast as the materialised
             one (``math``) here, as on every GPU; the planner then leaves ``math`` out, since it
             also never needs less memory.
@@ -45,6 +56,7 @@ class Hardware:
     host_link_gbps: float
     peer_link_gbps: float
     kernel_seconds: float = 5e-6
+    region_seconds: dict[str, tuple[float, float]] = field(default_factory=dict)
     fused_attention_wins: bool = True
 
     @property
@@ -133,7 +145,8 @@ def cuda_hardware(device: torch.device) -> Hardware:
 
 
 def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5) -> Hardware:
-    """This CPU's rates, timed: fp32 and bf16 matmuls, a large copy, and a tiny op (the per-kernel cost).
+    """This CPU's rates, timed: fp32 and bf16 matmuls, a large copy, and a small training step — its
+    host time per kernel and what checkpointing one of its blocks adds in each mode.
 
     ``memory_bytes`` is the budget (a :class:`~lightning_memopt.memory.SimulatedDevice`'s); the
     host link is a copy in memory.
@@ -141,7 +154,6 @@ def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5) -> Hardwar
     a = torch.randn(size, size)
     half = a.bfloat16()
     big = torch.empty(8 * _MIB // 4)
-    tiny = torch.ones(8)
 
     def best(run: Callable[[], object]) -> float:
         times = []
@@ -155,5 +167,55 @@ def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5) -> Hardwar
     full = flops / best(lambda: a @ a) / 1e12
     half_rate = flops / best(lambda: half @ half) / 1e12
     copy = 2 * big.nbytes / best(lambda: big.clone()) / 1e9
-    kernel = best(lambda: [tiny.add(1) for _ in range(100)]) / 100
-    return Hardware("cpu", memory_bytes, True, full, half_rate, copy, copy, copy, kernel, fused_attention_wins=False)
+    kernel, regions = _small_step_seconds(best)
+    return Hardware("cpu", memory_bytes, True, full, half_rate, copy, copy, copy, kernel, regions, False)
+
+
+class _Block(nn.Module):
+    """``depth`` small linear + GELU layers with a residual: a block of a few (depth 1) or many kernels."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(depth)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x) + x
+
+
+def _train_step(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+
+
+def _kernels(run: Callable[[], object]) -> float:
+    counter = WorkCounter()
+    with counter:
+        run()
+    return counter.total().kernels
+
+
+def _small_step_seconds(
+    best: Callable[[Callable[[], object]], float], blocks: int = 8
+) -> tuple[float, dict[str, tuple[float, float]]]:
+    """Training steps of small blocks: the host time per kernel (dispatch, autograd, module calls), and
+    what checkpointing a block adds in each mode — a fixed cost per call and one per forward kernel in
+    it, from blocks of two depths."""
+    x = torch.randn(4, 8)
+    extra: dict[str, list[tuple[float, float]]] = {mode: [] for mode in CHECKPOINT_MODES}
+    kernel = 0.0
+    for depth in (1, 4):
+        seconds = {}
+        for mode in ("none", *CHECKPOINT_MODES):
+            model = nn.Sequential(*(_Block(depth) for _ in range(blocks)))
+            if mode != "none":
+                checkpoint_modules(model, {"modules": [str(i) for i in range(blocks)], "mode": mode})
+            seconds[mode] = best(partial(_train_step, model, x))
+        plain = nn.Sequential(*(_Block(depth) for _ in range(blocks)))
+        kernel = seconds["none"] / _kernels(partial(_train_step, plain, x))
+        block_kernels = _kernels(partial(plain[0], x))
+        for mode in CHECKPOINT_MODES:
+            extra[mode].append((block_kernels, max(0.0, (seconds[mode] - seconds["none"]) / blocks)))
+    regions = {}
+    for mode, ((few, few_seconds), (many, many_seconds)) in extra.items():
+        per_kernel = max(0.0, (many_seconds - few_seconds) / (many - few))
+        regions[mode] = (max(0.0, few_seconds - per_kernel * few), per_kernel)
+    return kernel, regions

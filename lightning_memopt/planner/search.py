@@ -31,7 +31,9 @@ from lightning_memopt.planner.report import Plan
 
 _GIB = 2**30
 # checkpointing from cheapest to most saving: (mode, every_n)
-LADDER = (("none", 1), ("selective", 1), ("full", 4), ("full", 3), ("full", 2), ("full", 1), ("offload", 1))
+# estimates run up to 15 % over their profiles (offload, mixed precision): those within 20 % of the limit are profiled
+CONFIRM_WINDOW = 1.2
+LADDER = (("none", 1), ("selective", 1), ("full", 4), ("full", 3), ("full", 2), ("full", 1), ("offload", 2), ("offload", 1))
 
 
 class PlanError(ValueError):
@@ -134,6 +136,9 @@ class _Search:
             offloaded_bytes=estimate.offloaded_bytes,
             shards=knobs.shards,
             parameter_bytes=parameter_bytes / (2 if knobs.precision != "32-true" else 1),
+            checkpoint_mode=knobs.checkpoint,
+            regions=estimate.regions,
+            region_kernels=estimate.region_kernels,
         )
         found = Candidate(knobs, estimate, cost, estimate.peak_bytes <= self.limit, how)
         self.candidates.append(found)
@@ -319,11 +324,17 @@ def _search_group(search: _Search, group: _Group, anchor: MemoryProfile, verify:
     for estimate in sorted(estimates[1:], key=lambda c: c.cost.total):
         if best is not None and estimate.cost.total >= best.cost.total:
             break
-        if tries >= verify or estimate.peak_bytes > search.limit * 1.1:
+        if tries >= verify or estimate.peak_bytes > search.limit * CONFIRM_WINDOW:
             continue
         tries += 1
         search.candidates.remove(estimate)  # the profile replaces the estimate
-        confirmed = search.candidate(estimate.knobs, from_profile(search.profile(estimate.knobs), extra), "profiled")
+        planned = estimate.estimate
+        profiled_estimate = replace(
+            from_profile(search.profile(estimate.knobs), extra),
+            regions=planned.regions,
+            region_kernels=planned.region_kernels,
+        )
+        confirmed = search.candidate(estimate.knobs, profiled_estimate, "profiled")
         confirmed.estimated_bytes = estimate.peak_bytes
         profiled.append(confirmed)
         if confirmed.fits and (best is None or confirmed.cost.total < best.cost.total):

@@ -94,6 +94,13 @@ def test_checkpoints_never_nest():
     assert checkpoint_mode(model.backbone.blocks[0].attn) is None
 
 
+def test_one_policy_matching_a_module_and_its_children_wraps_the_outermost_only():
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.GELU()), nn.Sequential(nn.Linear(4, 4)))
+    report = checkpoint_modules(model, {"modules": ["0", "0.0", "1.*"], "mode": "full"})
+    assert sorted(report.modules) == ["0", "1.0"]
+    assert checkpoint_mode(model[0][0]) is None
+
+
 def test_state_dict_keys_and_module_types_are_unchanged_and_remove_restores():
     model = create_model("iresnet_tiny")
     keys = list(model.state_dict())

@@ -42,7 +42,18 @@ def test_memopt_plan_names_bad_input(tmp_path, override, message):
 
 def test_the_memory_grid_sweep_writes_one_csv_row_per_run(tmp_path):
     grid = [f"{_KNOB}precision=32-true", f"{_KNOB}checkpoint=none,full", f"{_KNOB}micro_batch_size=null"]
-    result = run_memopt_train(["-m", "sweep=memory_grid", "model=sapiens_tiny", "data=synthetic_normals", *TINY_NORMALS, "trainer.max_steps=3", *grid], cwd=tmp_path)
+    result = run_memopt_train(
+        [
+            "-m",
+            "sweep=memory_grid",
+            "model=sapiens_tiny",
+            "data=synthetic_normals",
+            *TINY_NORMALS,
+            "trainer.max_steps=3",
+            *grid,
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = tmp_path.glob("logs/train/multiruns/*/memory_grid.csv")
     with path.open(newline="") as handle:
