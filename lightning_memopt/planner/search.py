@@ -33,7 +33,16 @@ _GIB = 2**30
 # checkpointing from cheapest to most saving: (mode, every_n)
 # estimates run up to 15 % over their profiles (offload, mixed precision): those within 20 % of the limit are profiled
 CONFIRM_WINDOW = 1.2
-LADDER = (("none", 1), ("selective", 1), ("full", 4), ("full", 3), ("full", 2), ("full", 1), ("offload", 2), ("offload", 1))
+LADDER = (
+    ("none", 1),
+    ("selective", 1),
+    ("full", 4),
+    ("full", 3),
+    ("full", 2),
+    ("full", 1),
+    ("offload", 2),
+    ("offload", 1),
+)
 
 
 class PlanError(ValueError):
