@@ -30,9 +30,9 @@ from lightning_memopt.planner.options import MeasuredOption, ResultChangingOptio
 from lightning_memopt.planner.report import Plan
 
 _GIB = 2**30
-# checkpointing from cheapest to most saving: (mode, every_n)
 # estimates run up to 15 % over their profiles (offload, mixed precision): those within 20 % of the limit are profiled
 CONFIRM_WINDOW = 1.2
+# checkpointing from cheapest to most saving: (mode, every_n)
 LADDER = (
     ("none", 1),
     ("selective", 1),
