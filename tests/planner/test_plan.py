@@ -1,10 +1,14 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
 from lightning_memopt.checkpointing import apply_activation_checkpointing
 from lightning_memopt.memory import SimulatedDevice
+from lightning_memopt.memory.work import Work
 from lightning_memopt.models import create_model
-from lightning_memopt.planner import GPUS, Knobs, PlanError, ResultChangingOption, gpu, plan, with_budget
+from lightning_memopt.planner import GPUS, Knobs, PlanError, ResultChangingOption, gpu, measure_cpu, plan, with_budget
+from lightning_memopt.planner.cost import step_cost
 from lightning_memopt.planner.knobs import set_attention
 
 _MIB = 2**20
@@ -157,3 +161,20 @@ def test_the_chart_is_written(tmp_path):
     pytest.importorskip("matplotlib")
     _plan(8.0).write_chart(tmp_path / "plan.png")
     assert (tmp_path / "plan.png").stat().st_size > 1000
+
+
+def test_the_measured_cpu_prices_checkpointing_and_searches_math_attention():
+    cpu = measure_cpu(2**20)
+    assert cpu.kernel_seconds > 0 and not cpu.fused_attention_wins
+    assert set(cpu.region_seconds) == {"full", "selective", "offload"}
+    assert all(per_call >= 0 and per_kernel >= 0 for per_call, per_kernel in cpu.region_seconds.values())
+
+
+def test_checkpointing_host_cost_is_per_block_call_and_per_kernel_inside():
+    hardware = replace(gpu("a100_80gb"), region_seconds={"full": (1e-3, 1e-5)})
+    plain = step_cost(Work(kernels=100), Work(), hardware)
+    full = step_cost(Work(kernels=100), Work(), hardware, micro_batches=1, checkpoint_mode="full", regions=4,
+                     region_kernels=50)  # fmt: skip
+    assert full.checkpointing == pytest.approx(4 * 1e-3 + 50 * 1e-5)
+    assert full.total - plain.total == pytest.approx(full.checkpointing)
+    assert step_cost(Work(), Work(), gpu("a100_80gb"), checkpoint_mode="full", regions=4).checkpointing == 0
