@@ -307,7 +307,7 @@ class MemoryTracker(TorchDispatchMode):
             for key, record in self._records.items():
                 if not record.block or record.category != "activations":
                     continue
-                account = accounts.setdefault(record.block, BlockAccount(calls=1))
+                account = accounts[record.block]  # its pre-hook counted the call that made the record
                 if key in self._block_outputs.get(record.block, ()):
                     account.output_bytes += record.nbytes
                     continue

@@ -76,7 +76,7 @@ def checkpointed(anchor: MemoryProfile, blocks: list[str], mode: str, extra_byte
             forward if mode == "full" else forward.without_matmuls() if mode == "selective" else Work()
         )
     offloaded = float(sum(freed.values())) if mode == "offload" else 0.0
-    regions = sum(anchor.blocks[name].calls if name in anchor.blocks else 1 for name in blocks)
+    regions = sum(anchor.blocks[name].calls for name in blocks if name in anchor.blocks)  # absent: never called
     region_kernels = anchor.work(("forward",), tuple(blocks)).kernels
     step_work = anchor.work(STEP_PHASES) + recompute
     return StepEstimate(peak, breakdown, step_work, anchor.work(("optimizer",)), offloaded, regions, region_kernels)
