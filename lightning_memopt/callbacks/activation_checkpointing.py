@@ -17,6 +17,7 @@ from lightning_memopt.checkpointing import (
     parse_policy,
     remove_activation_checkpointing,
 )
+from lightning_memopt.models.structure import model_structure
 
 
 class ActivationCheckpointing(Callback):
@@ -32,8 +33,9 @@ class ActivationCheckpointing(Callback):
 
     Args:
         policy: what to checkpoint and how; see
-            :func:`~lightning_memopt.checkpointing.apply_activation_checkpointing`. ``"preset"``
-            (the default) checkpoints the blocks of every shipped preset family.
+            :func:`~lightning_memopt.checkpointing.apply_activation_checkpointing`. ``"auto"``
+            (the default; ``"preset"`` is the same) checkpoints the blocks the model declares,
+            and the repeated blocks discovered where it declares none, so it works on any model.
 
     Raises:
         MisconfigurationException: a malformed policy (in ``__init__``), or one that matches no
@@ -45,7 +47,7 @@ class ActivationCheckpointing(Callback):
         'offload'
     """
 
-    def __init__(self, policy: Any = "preset") -> None:
+    def __init__(self, policy: Any = "auto") -> None:
         try:
             self.policies = parse_policy(policy)
         except (TypeError, ValueError) as error:
@@ -72,4 +74,7 @@ class ActivationCheckpointing(Callback):
             self.report = checkpoint_modules(pl_module, self.policies)
         except ValueError as error:
             raise MisconfigurationException(f"ActivationCheckpointing: {error}") from None
-        rank_zero_info(f"ActivationCheckpointing: {self.report.describe()}")
+        found = ""
+        if any(policy.modules is None for policy in self.policies):
+            found = f"; blocks {model_structure(pl_module).source}"
+        rank_zero_info(f"ActivationCheckpointing: {self.report.describe()}{found}")

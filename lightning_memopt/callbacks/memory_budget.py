@@ -15,9 +15,10 @@ from typing_extensions import override
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
 from lightning_memopt.callbacks.precision_switch import PrecisionSwitch
+from lightning_memopt.checkpointing import Policy
+from lightning_memopt.models.structure import attention_kernels, set_attention
 from lightning_memopt.planner import Hardware, Knobs, Plan, PlanError, cuda_hardware, measure_cpu, plan, with_budget
 from lightning_memopt.planner import gpu as catalogue_gpu
-from lightning_memopt.planner.knobs import set_attention
 
 _GIB = 2**30
 _APPLIED_BY = (PrecisionSwitch, ActivationCheckpointing, AdaptiveAccumulation)
@@ -29,7 +30,8 @@ class MemoryBudget(Callback):
     In ``setup`` it profiles one step of the LightningModule on a batch of its training data in
     fake mode (nothing runs on the device), picks the knobs with :func:`~lightning_memopt.plan`
     and applies them: the precision through :class:`PrecisionSwitch`, activation checkpointing
-    through :class:`ActivationCheckpointing`, micro-batches through :class:`AdaptiveAccumulation`
+    through :class:`ActivationCheckpointing` (on the model's declared, else discovered, blocks, or
+    on ``blocks``), micro-batches through :class:`AdaptiveAccumulation`
     (added in every case: it stays on as the run-time safety net against an OOM), the attention
     kernel by switching the model's attention modules. Under DDP rank 0 plans and every rank
     applies its plan. The knobs are saved in checkpoints; resuming with other knobs is refused (pass
@@ -46,6 +48,8 @@ class MemoryBudget(Callback):
             ``memopt-plan`` prints them) without planning.
         sample_batch: the batch to plan with; default the first batch of the datamodule's train loader.
         verify: the most candidates per group profiled to confirm an estimate.
+        blocks: the modules checkpointing acts on: ``"auto"`` (declared, else discovered), or
+            module classes, dotted paths and name globs where discovery picks the wrong ones.
 
     Raises:
         MisconfigurationException: bad arguments (in ``__init__``); in ``setup``: a strategy other
@@ -66,8 +70,10 @@ class MemoryBudget(Callback):
         knobs: dict[str, Any] | None = None,
         sample_batch: Any = None,
         verify: int = 3,
+        blocks: Any = "auto",
     ) -> None:
         try:
+            Policy(blocks)  # the module specs are checked here; whether they match, in setup
             self.knobs: Knobs | None = Knobs(**knobs) if knobs is not None else None
             self.hardware_name = gpu
             if gpu is not None:
@@ -82,6 +88,7 @@ class MemoryBudget(Callback):
         self.safety_margin = safety_margin
         self.sample_batch = sample_batch
         self.verify = verify
+        self.blocks = blocks
         self.plan: Plan | None = None
         self.applied: list[Callback] = []
         self._attention: dict[str, str] = {}
@@ -111,7 +118,7 @@ class MemoryBudget(Callback):
 
     def _plan(self, trainer: Trainer, pl_module: LightningModule) -> Knobs:
         knobs: dict[str, Any] | None = None
-        failure = ""
+        failure, cause = "", None
         if trainer.is_global_zero:
             try:
                 self.plan = plan(
@@ -120,20 +127,22 @@ class MemoryBudget(Callback):
                     self._hardware(pl_module.device),
                     safety_margin=self.safety_margin,
                     verify=self.verify,
+                    blocks=self.blocks,
                 )
-            except PlanError as error:
-                failure = str(error)
+            except Exception as error:  # noqa: BLE001 (told to every rank, re-raised below as its cause)
+                failure = (
+                    str(error) if isinstance(error, PlanError) else f"planning failed: {type(error).__name__}: {error}"
+                )
+                cause = error
             else:
                 rank_zero_info(f"MemoryBudget:\n{self.plan.table()}")
                 chosen = self.plan.chosen
                 knobs = chosen.knobs.as_dict() if chosen is not None else None
-                failure = (
-                    "" if chosen is not None else f"no configuration that keeps the result fits:\n{self.plan.table()}"
-                )
+                failure = "" if chosen is not None else _nothing_fits(self.plan)
         # every rank learns the outcome, so none waits on a rank that failed
         knobs, failure = trainer.strategy.broadcast((knobs, failure))
         if knobs is None:
-            raise MisconfigurationException(f"MemoryBudget: {failure}")
+            raise MisconfigurationException(f"MemoryBudget: {failure}") from cause
         return Knobs(**knobs)
 
     def _hardware(self, device: torch.device) -> Hardware:
@@ -157,16 +166,12 @@ class MemoryBudget(Callback):
         if knobs.shards > 1:
             raise MisconfigurationException(f"MemoryBudget: `knobs` shard over {knobs.shards} GPUs; run FSDP instead")
         if knobs.attn_impl is not None:
-            self._attention = {
-                name: module.attn_impl
-                for name, module in pl_module.named_modules()
-                if isinstance(getattr(module, "attn_impl", None), str)
-            }
+            self._attention = attention_kernels(pl_module)
             set_attention(pl_module, knobs.attn_impl)
         self.applied = [AdaptiveAccumulation(micro_batch_size=knobs.micro_batch_size)]
         if knobs.precision != "32-true":
             self.applied.append(PrecisionSwitch(knobs.precision))
-        policy = knobs.checkpoint_policy()
+        policy = knobs.checkpoint_policy(self.blocks)
         if policy is not None:
             self.applied.append(ActivationCheckpointing(policy))
         # Lightning visits callbacks appended during this hook in the same pass, so their setup runs next
@@ -187,9 +192,7 @@ class MemoryBudget(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        modules = dict(pl_module.named_modules())
-        for name, impl in self._attention.items():
-            modules[name].attn_impl = impl
+        set_attention(pl_module, self._attention)
         self._attention = {}
         # the applied callbacks come after this one in _callbacks(trainer): Lightning tears them down next
 
@@ -210,3 +213,16 @@ class MemoryBudget(Callback):
 
 def _callbacks(trainer: Trainer) -> list[Callback]:
     return trainer.callbacks  # type: ignore[attr-defined]
+
+
+def _nothing_fits(result: Plan) -> str:
+    smallest = min(result.candidates, key=lambda candidate: candidate.peak_bytes, default=None)
+    closest = (
+        f"; the smallest predicted peak is {smallest.peak_bytes / _GIB:.2f} GiB ({smallest.knobs.describe()})"
+        if smallest is not None
+        else ""
+    )
+    return (
+        f"no configuration that keeps the result fits within {result.limit_bytes / _GIB:.2f} GiB{closest}; "
+        "the candidates table is logged above (memopt-plan prints it too, with the options that change the result)"
+    )

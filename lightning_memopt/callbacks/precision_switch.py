@@ -50,7 +50,7 @@ class PrecisionSwitch(Callback):
         patience: consecutive non-finite steps before stepping down.
         min_loss_scale: the fp16 loss scale below which the run steps down.
         fp32_modules: submodules to run as fp32 islands (classes, dotted paths, name globs), or
-            ``"preset"`` for the shipped families' margin head and normal-head output conv.
+            ``"preset"`` for the islands the model declares (the margin head and the normal-head output conv).
 
     Raises:
         MisconfigurationException: a bad argument (in ``__init__``); in ``setup``, a Trainer with

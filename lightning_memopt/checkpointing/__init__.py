@@ -11,7 +11,7 @@ Example::
 """
 
 from lightning_memopt.checkpointing.offload import offload_to_host
-from lightning_memopt.checkpointing.policy import MODES, PRESET_BLOCKS, Policy, parse_policy
+from lightning_memopt.checkpointing.policy import MODES, Policy, parse_policy
 from lightning_memopt.checkpointing.selective import SAVED_OP_NAMES, SAVED_OPS, selective_context
 from lightning_memopt.checkpointing.wrap import (
     CheckpointReport,
@@ -23,7 +23,6 @@ from lightning_memopt.checkpointing.wrap import (
 
 __all__ = [
     "MODES",
-    "PRESET_BLOCKS",
     "SAVED_OPS",
     "SAVED_OP_NAMES",
     "CheckpointReport",

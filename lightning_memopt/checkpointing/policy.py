@@ -15,21 +15,14 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memopt.selection import ModuleSpec, normalise_specs, resolve_class, select_modules, spec_name
+from lightning_memopt.models.structure import model_structure
+from lightning_memopt.selection import ModuleSpec, normalise_specs, select_modules, spec_name
 
 MODES = ("full", "selective", "offload")
-KEYWORDS = {"preset": "full", "selective": "selective", "offload": "offload", "every_n": "full"}
+# "auto": the blocks the model declares, else the repeated blocks discovered in it; "preset" is its old name
+AUTO = ("auto", "preset")
+KEYWORDS = {"auto": "full", "preset": "full", "selective": "selective", "offload": "offload", "every_n": "full"}
 POLICY_KEYS = ("modules", "every_n", "mode")
-# the blocks worth checkpointing in each preset family (dotted paths, imported when first needed)
-PRESET_BLOCKS = (
-    "lightning_memopt.models.iresnet.IBasicBlock",
-    "lightning_memopt.models.vit.ViTBlock",
-    "lightning_memopt.models.normal_head.ConvNormAct",
-    "lightning_memopt.models.cotracker.fnet.BasicEncoder",
-    "lightning_memopt.models.cotracker.correlation.FullCorrelation",
-    "lightning_memopt.models.cotracker.correlation.LocalCorrelation",
-    "lightning_memopt.models.cotracker.updateformer.AttentionBlock",
-)
 
 
 @dataclass(frozen=True)
@@ -37,8 +30,10 @@ class Policy:
     """Which modules to checkpoint, and how.
 
     Args:
-        modules: module classes (objects or dotted paths) and module-name globs; ``None`` or
-            ``"preset"`` for :data:`PRESET_BLOCKS`. A glob matches the end of a module's dotted
+        modules: module classes (objects or dotted paths) and module-name globs; ``None``, ``"auto"``
+            or ``"preset"`` for the model's blocks: those its modules declare
+            (:mod:`lightning_memopt.models.structure`), and the repeated blocks discovered where
+            nothing is declared (:mod:`lightning_memopt.models.discovery`). A glob matches the end of a module's dotted
             name segment by segment (``*`` stays within one segment, ``**`` spans several), so
             ``"fnet"`` finds ``model.fnet`` and ``"updateformer.time_blocks.*"`` each time block.
         every_n: wrap only blocks ``0, n, 2n, …`` of each run of sibling matches (the matches of
@@ -79,23 +74,23 @@ class Policy:
         object.__setattr__(self, "mode", mode)
 
     def describe(self) -> str:
-        """A short, readable form: ``full(preset, every_n=2)``."""
-        names = "preset" if self.modules is None else ", ".join(spec_name(spec) for spec in self.modules)
+        """A short, readable form: ``full(auto, every_n=2)``."""
+        names = "auto" if self.modules is None else ", ".join(spec_name(spec) for spec in self.modules)
         return f"{self.mode}({names}" + (f", every_n={self.every_n}" if self.every_n is not None else "") + ")"
 
     def matches(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The ``(name, module)`` pairs of ``model`` this policy selects, in module order."""
-        specs = self.modules if self.modules is not None else tuple(resolve_class(path) for path in PRESET_BLOCKS)
-        found = select_modules(model, specs)
+        found = model_structure(model).blocks if self.modules is None else select_modules(model, self.modules)
         return found if self.every_n is None else _every_nth_sibling(found, self.every_n)
 
 
 def parse_policy(spec: Any) -> tuple[Policy, ...]:
     """Turn a policy given as an object, string, class, mapping or list of those into policies.
 
-    Strings: ``"preset"`` (full recomputation of the preset blocks), ``"selective"``, ``"offload"``
-    (those modes on the preset blocks), ``"every_n"`` (every n-th of L sibling preset blocks,
-    n = √L rounded), a dotted class path, or a module-name glob. A mapping holds :class:`Policy`
+    Strings: ``"auto"`` (full recomputation of the model's declared, else discovered, blocks;
+    ``"preset"`` is the same), ``"selective"``, ``"offload"`` (those modes on the same blocks),
+    ``"every_n"`` (every n-th of L sibling blocks, n = √L rounded), a dotted class path, or a
+    module-name glob. A mapping holds :class:`Policy`
     arguments. A list composes: the first policy to match a module decides how it is wrapped.
 
     Raises:
@@ -120,7 +115,7 @@ def parse_policy(spec: Any) -> tuple[Policy, ...]:
         if unknown:
             raise ValueError(f"Unknown policy keys {unknown}; valid keys: {', '.join(POLICY_KEYS)}")
         modules = spec.get("modules")
-        return (Policy(None if modules == "preset" else modules, spec.get("every_n"), spec.get("mode", "full")),)
+        return (Policy(modules, spec.get("every_n"), spec.get("mode", "full")),)
     if isinstance(spec, Sequence):
         if not spec:
             raise ValueError("`policy` is an empty list; give at least one policy")
@@ -132,7 +127,7 @@ def parse_policy(spec: Any) -> tuple[Policy, ...]:
 
 
 def _normalise_modules(modules: ModuleSpec | Iterable[ModuleSpec] | None) -> tuple[ModuleSpec, ...] | None:
-    if modules is None or modules == "preset":
+    if modules is None or (isinstance(modules, str) and modules in AUTO):
         return None
     return normalise_specs(modules)
 

@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memopt.checkpointing.offload import offload_to_host
-from lightning_memopt.checkpointing.policy import parse_policy
+from lightning_memopt.checkpointing.policy import Policy, parse_policy
 from lightning_memopt.checkpointing.selective import selective_context
 from lightning_memopt.selection import describe_model
 
@@ -83,7 +83,7 @@ def checkpoint_modules(model: nn.Module, policy: Any) -> CheckpointReport:
     for rule in policies:
         matches = rule.matches(model)
         if not matches:
-            raise ValueError(f"Checkpointing policy {rule.describe()} matches no module; {describe_model(model)}")
+            raise ValueError(f"Checkpointing policy {rule.describe()} matches no module; {_nothing_found(rule, model)}")
         taken = 0
         for name, module in matches:  # parents come before their children: the outermost match is kept
             if name in claimed or _overlaps(name, claimed) or (name not in already and _overlaps(name, already)):
@@ -105,7 +105,7 @@ def checkpoint_modules(model: nn.Module, policy: Any) -> CheckpointReport:
     return report
 
 
-def apply_activation_checkpointing(model: nn.Module, policy: Any = "preset") -> int:
+def apply_activation_checkpointing(model: nn.Module, policy: Any = "auto") -> int:
     """Checkpoint the modules of ``model`` that ``policy`` selects; return how many are checkpointed.
 
     Applying again is idempotent (a module already wrapped the same way is left as it is, one
@@ -115,8 +115,9 @@ def apply_activation_checkpointing(model: nn.Module, policy: Any = "preset") -> 
     Args:
         model: any ``nn.Module`` (a LightningModule included).
         policy: anything :func:`~lightning_memopt.checkpointing.policy.parse_policy` accepts:
-            ``"preset"``, ``"selective"``, ``"offload"``, ``"every_n"``, module classes or dotted
-            paths, name globs, ``{"modules": ..., "every_n": ..., "mode": ...}``, or a list of those.
+            ``"auto"`` (the model's declared, else discovered, blocks; ``"preset"`` is the same),
+            ``"selective"``, ``"offload"``, ``"every_n"``, module classes or dotted paths, name
+            globs, ``{"modules": ..., "every_n": ..., "mode": ...}``, or a list of those.
 
     Returns:
         The number of modules of ``model`` checkpointed by this call or an earlier one.
@@ -173,6 +174,17 @@ def _wrap(module: nn.Module, mode: str) -> None:
         current.mode = mode
     else:
         module.forward = CheckpointedForward(module, mode, current)
+
+
+def _nothing_found(rule: Policy, model: nn.Module) -> str:
+    if rule.modules is not None:
+        return describe_model(model)
+    children = ", ".join(f"{name} ({type(child).__name__})" for name, child in model.named_children()) or "(none)"
+    return (
+        "no module declares its blocks (a `memory_structure()` method) and no repeated blocks were found (two or "
+        f"more sibling modules of one class, with parameters); top-level children: {children}. Name the modules "
+        "to checkpoint instead: a module class, a dotted class path or a name glob such as 'encoder.layers.*'"
+    )
 
 
 def _overlaps(name: str, names: dict[str, Any]) -> bool:

@@ -16,7 +16,7 @@ import hydra
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_memopt.cli.config import config_dir
 from lightning_memopt.planner import Plan, PlanError, gpu, plan, with_budget
@@ -41,8 +41,13 @@ def plan_config(cfg: DictConfig, overrides: list[str]) -> tuple[Plan, list[str]]
         options=result_changing_options(cfg) if cfg.plan.options else (),
         progress=True,
         verify=int(cfg.plan.verify),
+        blocks=_blocks(cfg.plan.blocks),
     )
     return result, overrides
+
+
+def _blocks(blocks: object) -> object:
+    return OmegaConf.to_container(blocks) if isinstance(blocks, DictConfig | ListConfig) else blocks
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="plan")

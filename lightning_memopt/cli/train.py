@@ -9,6 +9,8 @@ Examples (shell)::
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
@@ -18,6 +20,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig
 
+from lightning_memopt.accumulation import SampleOutOfMemoryError
 from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
 from lightning_memopt.cli.config import config_dir, instantiate_named
 from lightning_memopt.memory.allocator import configure_allocator
@@ -73,8 +76,17 @@ def train(cfg: DictConfig) -> FitSummary:
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Hydra entry point; returns the final training loss (the value Hydra sweepers optimise)."""
-    return train(cfg).final_loss
+    """Hydra entry point; returns the final training loss (the value Hydra sweepers optimise).
+
+    A configuration that cannot run (a MisconfigurationException: a bad argument, a plan that fits
+    nothing) or a step that does not fit even in the smallest micro-batch ends the job with its
+    reason on stderr and exit status 2, without a traceback.
+    """
+    try:
+        return train(cfg).final_loss
+    except (MisconfigurationException, SampleOutOfMemoryError) as error:
+        print(f"memopt-train: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
 from lightning_memopt.losses.margin import CombinedMarginLoss
+from lightning_memopt.models.structure import MemoryStructure
 
 
 class PartialFC(nn.Module):
@@ -85,6 +86,10 @@ class PartialFC(nn.Module):
         score[labels] = 2.0
         class_index = score.topk(self.num_sample, sorted=False).indices.sort().values
         return class_index, torch.searchsorted(class_index, labels)
+
+    def memory_structure(self) -> MemoryStructure:
+        """The margin head is an fp32 island: its logits span every class."""
+        return MemoryStructure(fp32_islands=(self,))
 
     def forward(self, embeddings: Tensor, labels: Tensor, reduction: str = "mean") -> tuple[Tensor, Tensor, Tensor]:
         """Loss over the (sampled) centres, in fp32 with autocast off.

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_memopt.models.registry import register_model
+from lightning_memopt.models.structure import MemoryStructure
 
 _BN_EPS = 1e-5
 
@@ -118,6 +119,11 @@ class IResNet(nn.Module):
             elif isinstance(module, nn.BatchNorm2d | nn.BatchNorm1d):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
+
+    def memory_structure(self) -> MemoryStructure:
+        """Its blocks are the residual blocks of the four stages."""
+        stages = (self.layer1, self.layer2, self.layer3, self.layer4)
+        return MemoryStructure(blocks=tuple(block for stage in stages for block in stage))
 
     def forward_trunk(self, x: Tensor) -> Tensor:
         """The convolutional trunk: image → flattened final feature map (before dropout)."""

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_memopt.models.structure import MemoryStructure
+
 
 class ConvNormAct(nn.Sequential):
     """One head stage: a convolution, then InstanceNorm2d and SiLU (the unit activation checkpointing wraps)."""
@@ -67,6 +69,10 @@ class NormalHead(nn.Module):
             )
         )
         self.predict = nn.Conv2d(channels[-1], 3, kernel_size=1)
+
+    def memory_structure(self) -> MemoryStructure:
+        """Its blocks are the conv stages; its output conv is an fp32 island."""
+        return MemoryStructure(blocks=(*self.upsample, *self.refine), fp32_islands=(self.predict,))
 
     def forward(self, features: Tensor) -> Tensor:
         return F.normalize(self.predict(self.refine(self.upsample(features))), dim=1)

@@ -14,19 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-ATTENTION_IMPLS = ("sdpa", "math")
+from lightning_memopt.models.structure import AttentionSwitch, MemoryStructure, check_attn_impl
+
 _LAYER_NORM_EPS = 1e-6
 _INIT_STD = 0.02
-
-
-def check_attn_impl(attn_impl: str) -> None:
-    """Raise unless ``attn_impl`` is one of :data:`ATTENTION_IMPLS`.
-
-    Raises:
-        ValueError: for an unknown value, listing the valid choices.
-    """
-    if attn_impl not in ATTENTION_IMPLS:
-        raise ValueError(f"Unknown `attn_impl`={attn_impl!r}; valid choices: {', '.join(ATTENTION_IMPLS)}")
 
 
 def resize_position_table(table: Tensor, source_grid: Sequence[int], target_grid: Sequence[int]) -> Tensor:
@@ -116,6 +107,10 @@ class Attention(nn.Module):
             weights = (q @ k.transpose(-2, -1) * self.scale).softmax(dim=-1)
             out = weights @ v
         return self.proj(out.transpose(1, 2).reshape(batch, tokens, dim))
+
+    def memory_structure(self) -> MemoryStructure:
+        """Its attention kernel is the ``attn_impl`` attribute."""
+        return MemoryStructure(attention=AttentionSwitch(self))
 
 
 class ViTBlock(nn.Module):
@@ -240,6 +235,10 @@ class VisionTransformer(nn.Module):
                 nn.init.trunc_normal_(module.weight, std=_INIT_STD)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+
+    def memory_structure(self) -> MemoryStructure:
+        """Its blocks are the transformer blocks (checkpoint, offload and FSDP units)."""
+        return MemoryStructure(blocks=tuple(self.blocks))
 
     def token_grid(self, height: int, width: int) -> tuple[int, int]:
         """The ``(h, w)`` token grid of an ``height`` × ``width`` input.

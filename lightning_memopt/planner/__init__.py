@@ -12,9 +12,10 @@ Example::
     True
 """
 
+from lightning_memopt.models.structure import set_attention
 from lightning_memopt.planner.cost import StepCost, step_cost
 from lightning_memopt.planner.hardware import GPUS, Hardware, cuda_hardware, gpu, measure_cpu, with_budget
-from lightning_memopt.planner.knobs import Knobs, set_attention
+from lightning_memopt.planner.knobs import Knobs
 from lightning_memopt.planner.options import MeasuredOption, ResultChangingOption
 from lightning_memopt.planner.report import Plan
 from lightning_memopt.planner.search import Candidate, PlanError, plan

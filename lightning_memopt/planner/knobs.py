@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from torch import nn
+from lightning_memopt.models.structure import ATTENTION_IMPLS
 
 CHECKPOINT_MODES = ("none", "selective", "full", "offload")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
-ATTENTION_IMPLS = ("sdpa", "math")
 
 
 @dataclass(frozen=True)
@@ -20,7 +19,8 @@ class Knobs:
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"``.
         attn_impl: ``"sdpa"`` (fused attention) or ``"math"`` (materialised), or ``None`` to leave
             the model's attention as built.
-        checkpoint: ``"none"``, ``"selective"``, ``"full"`` or ``"offload"`` on the preset blocks.
+        checkpoint: ``"none"``, ``"selective"``, ``"full"`` or ``"offload"`` on the model's blocks
+            (declared, else discovered, unless the plan was given other ``blocks``).
         every_n: checkpoint every n-th of each run of sibling blocks (1: all of them).
         micro_batch_size: split each batch into micro-batches of this size, gradients accumulated
             into the same optimizer step; ``None``: whole batches.
@@ -35,7 +35,7 @@ class Knobs:
         >>> knobs.describe()
         'bf16-mixed, full every 2'
         >>> knobs.checkpoint_policy()
-        {'modules': 'preset', 'every_n': 2, 'mode': 'full'}
+        {'modules': 'auto', 'every_n': 2, 'mode': 'full'}
     """
 
     precision: str = "32-true"
@@ -58,11 +58,15 @@ class Knobs:
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"`micro_batch_size`={size!r} must be a positive int or None")
 
-    def checkpoint_policy(self) -> dict[str, Any] | None:
-        """The :func:`~lightning_memopt.checkpointing.apply_activation_checkpointing` policy, or ``None``."""
+    def checkpoint_policy(self, blocks: Any = "auto") -> dict[str, Any] | None:
+        """The :func:`~lightning_memopt.checkpointing.apply_activation_checkpointing` policy on ``blocks``, or ``None``.
+
+        ``blocks``: ``"auto"`` (the model's declared, else discovered, blocks) or module classes,
+        dotted paths and name globs.
+        """
         if self.checkpoint == "none":
             return None
-        return {"modules": "preset", "every_n": self.every_n if self.every_n > 1 else None, "mode": self.checkpoint}
+        return {"modules": blocks, "every_n": self.every_n if self.every_n > 1 else None, "mode": self.checkpoint}
 
     def describe(self) -> str:
         """A short, readable form: ``"bf16-mixed, sdpa, full every 2, micro-batch 32, FSDP ×4"``."""
@@ -80,26 +84,6 @@ class Knobs:
     def as_dict(self) -> dict[str, Any]:
         """The knobs as plain values (the ``knobs`` argument of :class:`~lightning_memopt.MemoryBudget`)."""
         return asdict(self)
-
-
-def set_attention(model: nn.Module, attn_impl: str | None) -> int:
-    """Switch every attention module of ``model`` (those with an ``attn_impl`` attribute); returns how many.
-
-    Example::
-
-        >>> from lightning_memopt.models import create_model
-        >>> set_attention(create_model("sapiens_tiny", depth=2), "math")
-        2
-    """
-    if attn_impl is None:
-        return 0
-    _check_choice("attn_impl", attn_impl, ATTENTION_IMPLS)
-    switched = 0
-    for module in model.modules():
-        if isinstance(getattr(module, "attn_impl", None), str):
-            setattr(module, "attn_impl", attn_impl)  # noqa: B010 (a module attribute, typed by its class)
-            switched += 1
-    return switched
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

@@ -30,6 +30,7 @@ class Plan:
     options: list[MeasuredOption] = field(default_factory=list)
     profiles: int = 0
     notes: list[str] = field(default_factory=list)  # the knobs left out of the search, and why
+    rejected: list[tuple[Knobs, str]] = field(default_factory=list)  # configurations the model refuses, and why
 
     @property
     def fits(self) -> bool:
@@ -59,6 +60,8 @@ class Plan:
         for knobs, bound in self.skipped:
             bound_text = f"not profiled: cannot beat the choice (≥ {bound:.4f} s)"
             lines.append(f"  {knobs.describe():<44}{'—':>9}  {bound_text}")
+        for knobs, reason in self.rejected:
+            lines.append(f"  {knobs.describe():<44}{'—':>9}  left out: {reason}")
         lines += self.notes
         if self.chosen is None:
             lines.append("no configuration that keeps the result fits")

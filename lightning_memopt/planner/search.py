@@ -22,12 +22,14 @@ from lightning_memopt.accumulation.split import batch_size, slice_batch
 from lightning_memopt.checkpointing import Policy, apply_activation_checkpointing
 from lightning_memopt.memory.profile import LossFn, MemoryProfile, OptimizerSource, profile_step
 from lightning_memopt.memory.work import Work
+from lightning_memopt.models.structure import model_structure, set_attention
 from lightning_memopt.planner.cost import StepCost, step_cost
 from lightning_memopt.planner.estimate import StepEstimate, checkpointed, from_profile
 from lightning_memopt.planner.hardware import Hardware
-from lightning_memopt.planner.knobs import Knobs, set_attention
+from lightning_memopt.planner.knobs import Knobs
 from lightning_memopt.planner.options import MeasuredOption, ResultChangingOption, measure_options
 from lightning_memopt.planner.report import Plan
+from lightning_memopt.selection import describe_model
 
 _GIB = 2**30
 # estimates run up to 15 % over their profiles (offload, mixed precision): those within 20 % of the limit are profiled
@@ -46,7 +48,7 @@ LADDER = (
 
 
 class PlanError(ValueError):
-    """The budget cannot hold even the parameters, gradients and optimizer state."""
+    """No plan can be made: the budget cannot hold even the model states, or ``blocks`` select nothing."""
 
 
 @dataclass
@@ -86,6 +88,7 @@ class _Search:
     hardware: Hardware
     limit: int
     devices: int
+    block_spec: Any  # the policy's modules: "auto" or the classes, paths and globs given as `blocks`
     blocks: list[str]
     selections: dict[int, list[str]]  # every_n -> the blocks it checkpoints
     block_parameter_bytes: int
@@ -94,6 +97,8 @@ class _Search:
     profiles: int = 0
     candidates: list[Candidate] = field(default_factory=list)
     skipped: list[tuple[Knobs, float]] = field(default_factory=list)
+    rejected: list[tuple[Knobs, str]] = field(default_factory=list)
+    smallest_rejected: tuple[int, str] | None = None  # the largest micro-batch the model refused, and why
 
     def profile(self, knobs: Knobs, model: Callable[[], nn.Module] | None = None, batch: Any = None) -> MemoryProfile:
         """A fake-mode profile of one step with ``knobs`` applied (of another model or batch, if given)."""
@@ -103,7 +108,7 @@ class _Search:
 
         def prepare(model: nn.Module) -> None:
             set_attention(model, knobs.attn_impl)
-            policy = knobs.checkpoint_policy()
+            policy = knobs.checkpoint_policy(self.block_spec)
             if policy is not None:
                 apply_activation_checkpointing(model, policy)
 
@@ -177,6 +182,7 @@ def plan(
     precisions: Sequence[str] | None = None,
     attn_impls: Sequence[str | None] | None = None,
     micro_batching: bool | None = None,
+    blocks: Any = "auto",
     options: Sequence[ResultChangingOption] = (),
     progress: bool = False,
     verify: int = 3,
@@ -195,14 +201,20 @@ def plan(
         attn_impls: attention kernels to consider; default ``sdpa`` when the model has attention,
             and ``math`` too on a device where fused attention may be slower (the CPU).
         micro_batching: consider micro-batches with accumulation; default unless the model's
-            ``batch_coupled_loss`` is true (then micro-batching would change the loss).
+            ``batch_coupled_loss`` is true (then micro-batching would change the loss). A
+            micro-batch the model refuses (a profile of it raises, e.g. batch norm on one sample)
+            is left out with the reason in the table, and so are the smaller ones.
+        blocks: the modules checkpointing acts on: ``"auto"`` (those the model declares, else its
+            repeated blocks, discovered), or module classes, dotted paths and name globs for the
+            rare model where discovery picks the wrong ones.
         options: result-changing options to measure against the chosen plan.
         progress: show a progress bar of the profiles.
         verify: the most candidates per group profiled to confirm an estimate.
 
     Raises:
         PlanError: the budget is smaller than parameters + gradients + optimizer state alone; the
-            message shows that breakdown and the result-changing options.
+            message shows that breakdown and the result-changing options; ``blocks`` that match
+            no module.
         ValueError: a bad argument.
 
     Example::
@@ -222,16 +234,17 @@ def plan(
     factory = (lambda: model) if isinstance(model, nn.Module) else model
     with torch.device("meta"):
         described = factory() if not isinstance(model, nn.Module) else model
-    blocks = [name for name, _ in Policy().matches(described)]
-    selections = {n: [name for name, _ in Policy(every_n=n).matches(described)] for n in {n for _, n in LADDER}}
-    block_bytes = max(
-        (_parameter_bytes(module) for name, module in described.named_modules() if name in blocks), default=0
-    )
+    structure = model_structure(described)
+    found = Policy(blocks).matches(described)
+    if not found and Policy(blocks).modules is not None:
+        raise PlanError(f"`blocks`={blocks!r} match no module of the model; {describe_model(described)}")
+    selections = {n: [name for name, _ in Policy(blocks, every_n=n).matches(described)] for n in {n for _, n in LADDER}}
+    block_bytes = max((_parameter_bytes(module) for _, module in found), default=0)
     trainable = sum(p.numel() * 4 for p in described.parameters() if p.requires_grad)
-    has_attention = any(isinstance(getattr(m, "attn_impl", None), str) for m in described.modules())
+    has_attention = bool(structure.attention)
     coupled = bool(getattr(described, "batch_coupled_loss", False))
     precisions = list(precisions) if precisions is not None else [hardware.mixed_precision, "32-true"]
-    notes = []
+    notes = [_blocks_note(blocks, structure, found)]
     if attn_impls is not None:
         attn_impls = list(attn_impls)
     elif not has_attention:
@@ -258,6 +271,7 @@ def plan(
         limit,
         devices,
         blocks,
+        [name for name, _ in found],
         selections,
         block_bytes,
         trainable,
@@ -281,6 +295,7 @@ def plan(
         safety_margin=safety_margin,
         candidates=search.candidates,
         skipped=search.skipped,
+        rejected=search.rejected,
         chosen=best,
         options=measured,
         profiles=search.profiles,
@@ -304,7 +319,9 @@ def _run(
         if best is not None and group.lower_bound >= best.cost.total:
             search.skipped.append((knobs, group.lower_bound))
             continue
-        anchor = search.profile(knobs)
+        anchor = _anchor(search, knobs)
+        if anchor is None:
+            continue
         if reference is None:
             reference = anchor
             _check_model_states(search, anchor, options)
@@ -312,6 +329,39 @@ def _run(
         if found is not None and (best is None or found.cost.total < best.cost.total):
             best = found
     return best
+
+
+def _anchor(search: _Search, knobs: Knobs) -> MemoryProfile | None:
+    """The group's profile without checkpointing; ``None`` when the model refuses its micro-batch size."""
+    size = knobs.micro_batch_size
+    if size is None:
+        return search.profile(knobs)
+    if search.smallest_rejected is not None and size <= search.smallest_rejected[0]:
+        search.rejected.append((knobs, search.smallest_rejected[1]))
+        return None
+    try:
+        return search.profile(knobs)
+    except Exception as error:  # the whole batch profiled: what fails here is the micro-batch's size
+        reason = f"the model refuses micro-batches of {size} ({type(error).__name__}: {_first_line(error)})"
+        search.smallest_rejected = (size, reason)
+        search.rejected.append((knobs, reason))
+        return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _blocks_note(blocks: Any, structure: Any, found: list[tuple[str, nn.Module]]) -> str:
+    if Policy(blocks).modules is not None:
+        return f"checkpointing acts on the {len(found)} modules `blocks` selects"
+    if not found:
+        return (
+            "checkpointing not considered: the model declares no blocks and no repeated blocks were discovered; "
+            "pass `blocks` (module classes, dotted paths or name globs)"
+        )
+    return f"checkpointing acts on {structure.describe_blocks()}"
 
 
 def _search_group(search: _Search, group: _Group, anchor: MemoryProfile, verify: int) -> Candidate | None:

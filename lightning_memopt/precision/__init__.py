@@ -4,7 +4,6 @@ The functional layer under :class:`~lightning_memopt.callbacks.PrecisionSwitch`.
 """
 
 from lightning_memopt.precision.islands import (
-    PRESET_ISLANDS,
     apply_fp32_islands,
     is_fp32_island,
     remove_fp32_islands,
@@ -25,7 +24,6 @@ __all__ = [
     "INTERVALS",
     "LADDER",
     "PRECISIONS",
-    "PRESET_ISLANDS",
     "PrecisionSchedule",
     "SwitchablePrecision",
     "apply_fp32_islands",

@@ -17,13 +17,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_memopt.selection import ModuleSpec, describe_model, normalise_specs, resolve_class, select_modules
+from lightning_memopt.models.structure import model_structure
+from lightning_memopt.selection import ModuleSpec, describe_model, normalise_specs, select_modules
 
-# the modules of each preset family whose numerics want fp32 (dotted class paths and name globs)
-PRESET_ISLANDS = (
-    "lightning_memopt.losses.partial_fc.PartialFC",  # the face margin head: logits over every class
-    "lightning_memopt.models.normal_head.NormalHead.predict",  # the normal head's output conv
-)
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -52,7 +48,9 @@ def apply_fp32_islands(model: nn.Module, modules: ModuleSpec | Iterable[ModuleSp
     Args:
         model: any module.
         modules: module classes, dotted class paths and name globs (see
-            :mod:`lightning_memopt.selection`), or ``"preset"`` for :data:`PRESET_ISLANDS`.
+            :mod:`lightning_memopt.selection`), or ``"preset"`` for the islands the model's modules
+            declare (:mod:`lightning_memopt.models.structure`: the face margin head and the normal
+            head's output conv in the presets; none in a model that declares none).
 
     Raises:
         ValueError: a spec matches no module (the message lists the classes present); a bad spec.
@@ -92,29 +90,13 @@ def is_fp32_island(module: nn.Module) -> bool:
 
 def _select(model: nn.Module, modules: ModuleSpec | Iterable[ModuleSpec]) -> list[tuple[str, nn.Module]]:
     if isinstance(modules, str) and modules == "preset":
-        return _preset_matches(model)
+        return model_structure(model).fp32_islands
     specs = normalise_specs(modules, "fp32_modules")
     found = select_modules(model, specs)
     for spec in specs:
         if not select_modules(model, [spec]):
             name = spec if isinstance(spec, str) else spec.__name__
             raise ValueError(f"`fp32_modules` entry {name!r} matches no module; {describe_model(model)}")
-    return found
-
-
-def _preset_matches(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    found = []
-    for path in PRESET_ISLANDS:
-        owner_path, _, attribute = path.rpartition(".")
-        if attribute[:1].islower():  # "Class.child": that child of every such module
-            owner = resolve_class(owner_path)
-            found += [
-                (f"{name}.{attribute}" if name else attribute, getattr(module, attribute))
-                for name, module in model.named_modules()
-                if isinstance(module, owner) and isinstance(getattr(module, attribute, None), nn.Module)
-            ]
-        else:
-            found += select_modules(model, [resolve_class(path)])
     return found
 
 

@@ -1,4 +1,4 @@
-"""MemoptFSDPStrategy: full sharding per ViT block, checkpointed preset blocks, a bf16 mixed-precision policy."""
+"""MemoptFSDPStrategy: full sharding per model block, those blocks checkpointed, a bf16 mixed-precision policy."""
 
 from __future__ import annotations
 
@@ -6,14 +6,15 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.distributed.fsdp import MixedPrecision
+from torch.distributed.fsdp.wrap import CustomPolicy
+from typing_extensions import override
 
-from lightning_memopt.checkpointing import PRESET_BLOCKS
-from lightning_memopt.selection import resolve_class
+from lightning_memopt.models.structure import ModelStructure, model_structure
 
-SHARDED_BLOCKS = ("lightning_memopt.models.vit.ViTBlock",)  # one FSDP unit per transformer block
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
@@ -36,19 +37,50 @@ def mixed_precision_policy(param_dtype: str) -> MixedPrecision | None:
     return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
 
 
-def block_classes(paths: tuple[str, ...]) -> set[type[nn.Module]]:
-    """The module classes at dotted ``paths``."""
-    return {resolve_class(path) for path in paths}
+class ModelBlocks:
+    """An FSDP policy function: whether a module is one of the blocks of the model last given to :meth:`find`.
+
+    The blocks are those the model declares, else the repeated blocks discovered in it
+    (:func:`~lightning_memopt.models.structure.model_structure`); with ``sharded``, only those
+    holding parameters (a unit with nothing to shard is no unit).
+
+    Example::
+
+        >>> from lightning_memopt.models import create_model
+        >>> model = create_model("sapiens_tiny")
+        >>> units = ModelBlocks(sharded=True)
+        >>> units.find(model).describe_blocks()
+        '8 blocks (ViTBlock ×2, ConvNormAct ×6; declared)'
+        >>> units(model.backbone.blocks[0]), units(model.backbone)
+        (True, False)
+    """
+
+    def __init__(self, sharded: bool = False) -> None:
+        self.sharded = sharded
+        self.ids: set[int] = set()
+
+    def find(self, model: nn.Module) -> ModelStructure:
+        """Find the blocks of ``model``; returns its structure."""
+        structure = model_structure(model)
+        blocks = structure.blocks
+        if self.sharded:
+            blocks = [(name, block) for name, block in blocks if next(block.parameters(), None) is not None]
+        self.ids = {id(block) for _, block in blocks}
+        return structure
+
+    def __call__(self, module: nn.Module) -> bool:
+        return id(module) in self.ids
 
 
 class MemoptFSDPStrategy(FSDPStrategy):
-    """FSDP for the big ViT presets (Sapiens 0.3b–2b): full sharding, one unit per ViT block, checkpointed blocks.
+    """FSDP for the big models (Sapiens 0.3b–2b): full sharding, one unit per model block, checkpointed blocks.
 
     - ``sharding_strategy="FULL_SHARD"``: parameters, gradients and optimizer state split over all ranks.
-    - ``auto_wrap_policy``: each :class:`~lightning_memopt.models.vit.ViTBlock` its own FSDP unit, so
-      only one block's full parameters exist at a time.
-    - ``activation_checkpointing_policy``: the blocks of ActivationCheckpointing's ``"preset"`` policy
-      (``checkpointing=False`` turns it off).
+    - ``auto_wrap_policy``: each block of the model its own FSDP unit, so only one block's full
+      parameters exist at a time. The blocks are those the model declares (ViT blocks and
+      normal-head stages in Sapiens), else the repeated blocks discovered in it, found when the
+      strategy wraps the model (:class:`ModelBlocks`).
+    - ``activation_checkpointing_policy``: the same blocks (``checkpointing=False`` turns it off).
     - ``mixed_precision``: parameters in ``param_dtype`` (``"bf16"``) for compute, gradients
       reduced and buffers kept in fp32 (:func:`mixed_precision_policy`).
     - ``state_dict_type="sharded"``: each rank writes its shard (no full gather at save).
@@ -60,9 +92,10 @@ class MemoptFSDPStrategy(FSDPStrategy):
 
     Example::
 
+        >>> from lightning_memopt.models import create_model
         >>> strategy = MemoptFSDPStrategy()
-        >>> sorted(cls.__name__ for cls in strategy.sharded_blocks)
-        ['ViTBlock']
+        >>> strategy.find_blocks(create_model("sapiens_tiny")).describe_blocks()
+        '8 blocks (ViTBlock ×2, ConvNormAct ×6; declared)'
     """
 
     def __init__(
@@ -77,11 +110,30 @@ class MemoptFSDPStrategy(FSDPStrategy):
             mixed_precision = mixed_precision_policy(param_dtype)
         except ValueError as error:
             raise MisconfigurationException(str(error)) from None
-        self.sharded_blocks = block_classes(SHARDED_BLOCKS)
-        kwargs.setdefault("auto_wrap_policy", self.sharded_blocks)
+        self.shard_units = ModelBlocks(sharded=True)
+        self.checkpointed_blocks = ModelBlocks()
+        kwargs.setdefault("auto_wrap_policy", CustomPolicy(self.shard_units))
         if checkpointing:
-            kwargs.setdefault("activation_checkpointing_policy", block_classes(PRESET_BLOCKS))
+            kwargs.setdefault("activation_checkpointing_policy", CustomPolicy(self.checkpointed_blocks))
         if mixed_precision is not None:
             kwargs.setdefault("mixed_precision", mixed_precision)
         super().__init__(sharding_strategy=sharding_strategy, state_dict_type=state_dict_type, **kwargs)  # type: ignore[arg-type]
         self.param_dtype = param_dtype
+
+    def find_blocks(self, model: nn.Module) -> ModelStructure:
+        """Find the FSDP units and checkpointed blocks of ``model`` (done when the strategy wraps it)."""
+        self.checkpointed_blocks.find(model)
+        return self.shard_units.find(model)
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        structure = self.find_blocks(model)
+        if structure.blocks:
+            rank_zero_info(f"fsdp_memopt: one FSDP unit and checkpoint per block: {structure.describe_blocks()}")
+        else:
+            rank_zero_warn(
+                "fsdp_memopt: the model declares no blocks and none were discovered, so it is one FSDP unit (every "
+                "parameter gathered at once) and nothing is checkpointed; give `auto_wrap_policy` and "
+                "`activation_checkpointing_policy` (sets of block classes)"
+            )
+        return super()._setup_model(model)

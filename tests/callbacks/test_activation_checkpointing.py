@@ -54,7 +54,9 @@ def test_fit_checkpoints_during_training_gives_the_same_weights_and_restores_the
     checkpointed = _fit(TinyViTModule(), callback)
     assert checkpointed.modes_seen == [["full", "full"]] * 2
     assert callback.report.count == 8
-    assert messages == ["ActivationCheckpointing: wrapped 8 modules: full 8 (ConvNormAct ×6, ViTBlock ×2)"]
+    assert messages == [
+        "ActivationCheckpointing: wrapped 8 modules: full 8 (ConvNormAct ×6, ViTBlock ×2); blocks declared"
+    ]
     assert all(checkpoint_mode(m) is None for m in checkpointed.modules())  # removed in teardown
     for (name, expected), got in zip(reference.state_dict().items(), checkpointed.state_dict().values(), strict=True):
         assert torch.equal(expected, got), name
@@ -96,7 +98,7 @@ def test_under_fsdp_with_its_own_policy_the_callback_stands_aside():
 
 def test_the_hydra_bundle_composes(compose_train):
     cfg = compose_train("memopt=checkpointing")
-    assert cfg.memopt.callbacks.activation_checkpointing.policy == "preset"
+    assert cfg.memopt.callbacks.activation_checkpointing.policy == "auto"
 
 
 @pytest.mark.distributed

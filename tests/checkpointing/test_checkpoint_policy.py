@@ -11,10 +11,10 @@ from lightning_memopt.selection import resolve_class
 
 
 def test_keywords_select_the_preset_blocks_with_their_mode():
-    assert [p.describe() for p in parse_policy("preset")] == ["full(preset)"]
-    assert [p.describe() for p in parse_policy("selective")] == ["selective(preset)"]
-    assert [p.describe() for p in parse_policy("offload")] == ["offload(preset)"]
-    assert [p.describe() for p in parse_policy("every_n")] == ["full(preset, every_n=sqrt)"]
+    assert [p.describe() for p in parse_policy("preset")] == ["full(auto)"]
+    assert [p.describe() for p in parse_policy("selective")] == ["selective(auto)"]
+    assert [p.describe() for p in parse_policy("offload")] == ["offload(auto)"]
+    assert [p.describe() for p in parse_policy("every_n")] == ["full(auto, every_n=sqrt)"]
 
 
 def test_classes_dotted_paths_and_globs_are_told_apart():
@@ -30,7 +30,7 @@ def test_classes_dotted_paths_and_globs_are_told_apart():
 
 def test_hydra_containers_parse_like_plain_ones():
     spec = OmegaConf.create([{"modules": ["backbone.blocks.*"], "every_n": 2}, "offload"])
-    assert [p.describe() for p in parse_policy(spec)] == ["full(backbone.blocks.*, every_n=2)", "offload(preset)"]
+    assert [p.describe() for p in parse_policy(spec)] == ["full(backbone.blocks.*, every_n=2)", "offload(auto)"]
 
 
 @pytest.mark.parametrize(
@@ -109,11 +109,22 @@ def test_composed_policies_first_match_wins_and_the_rest_is_offloaded():
 def test_a_policy_that_matches_nothing_lists_what_is_there():
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     with pytest.raises(ValueError) as caught:
-        apply_activation_checkpointing(model, "preset")
+        apply_activation_checkpointing(model, "head.*")
     message = str(caught.value)
     assert "matches no module" in message
     assert "module classes present: Linear, ReLU, Sequential" in message
     assert "top-level children: 0, 1" in message
+
+
+@pytest.mark.parametrize("policy", ["auto", "preset", "selective", "every_n"])
+def test_auto_on_a_model_with_nothing_repeated_says_how_to_name_the_blocks(policy):
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with pytest.raises(ValueError) as caught:
+        apply_activation_checkpointing(model, policy)
+    message = str(caught.value)
+    assert "matches no module; no module declares its blocks" in message
+    assert "top-level children: 0 (Linear), 1 (ReLU)" in message
+    assert "a module class, a dotted class path or a name glob" in message
 
 
 def test_resolve_class_imports_module_classes_only():

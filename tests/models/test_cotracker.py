@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from lightning_memopt.models import CoTracker2, CoTracker3, create_model
-from lightning_memopt.models.cotracker import ATTN_IMPLS, BasicEncoder, UpdateFormer
+from lightning_memopt.models.cotracker import BasicEncoder, UpdateFormer
 from lightning_memopt.models.cotracker.updateformer import attention
+from lightning_memopt.models.structure import ATTENTION_IMPLS
 
 # Parameter counts computed from the published layer shapes (PRESETS.md), in millions.
 PUBLISHED_PARAMS_M = {"cotracker2": 45.5, "cotracker3": 25.4}
@@ -160,7 +161,7 @@ def test_attention_implementations_agree(name):
 def test_attention_with_every_key_masked_attends_to_all():
     q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     none_allowed = torch.zeros(1, 5, dtype=torch.bool)
-    for impl in ATTN_IMPLS:
+    for impl in ATTENTION_IMPLS:
         torch.testing.assert_close(attention(q, k, v, none_allowed, impl), attention(q, k, v, None, impl))
 
 
@@ -169,7 +170,7 @@ def test_masked_keys_get_no_attention():
     mask = torch.tensor([[True, False, True, False]])
     changed = v.clone()
     changed[:, :, [1, 3]] = 100.0
-    for impl in ATTN_IMPLS:
+    for impl in ATTENTION_IMPLS:
         torch.testing.assert_close(attention(q, k, v, mask, impl), attention(q, k, changed, mask, impl))
 
 

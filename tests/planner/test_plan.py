@@ -7,9 +7,9 @@ from lightning_memopt.checkpointing import apply_activation_checkpointing
 from lightning_memopt.memory import SimulatedDevice
 from lightning_memopt.memory.work import Work
 from lightning_memopt.models import create_model
+from lightning_memopt.models.structure import set_attention
 from lightning_memopt.planner import GPUS, Knobs, PlanError, ResultChangingOption, gpu, measure_cpu, plan, with_budget
 from lightning_memopt.planner.cost import step_cost
-from lightning_memopt.planner.knobs import set_attention
 
 _MIB = 2**20
 BATCH = torch.randn(4, 3, 64, 48)

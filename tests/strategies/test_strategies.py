@@ -8,6 +8,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_memopt.data.samplers import ShardedEvaluationSampler, evaluation_sampler
+from lightning_memopt.models import create_model
 from lightning_memopt.models.vit import ViTBlock
 from lightning_memopt.strategies import MemoptDDPStrategy, MemoptFSDPStrategy, comm_hook, mixed_precision_policy
 from lightning_memopt.strategies.powersgd_state import ResumablePowerSGD
@@ -29,12 +30,18 @@ def test_registered_names_build_the_presets(name, hook):
     assert strategy._ddp_kwargs["gradient_as_bucket_view"] is True
 
 
-def test_the_fsdp_preset_shards_per_vit_block_and_checkpoints_the_preset_blocks():
+def test_the_fsdp_preset_shards_and_checkpoints_the_blocks_the_model_declares():
     strategy = StrategyRegistry.get("fsdp_memopt")
     assert isinstance(strategy, MemoptFSDPStrategy)
     assert strategy.sharding_strategy.name == "FULL_SHARD"
-    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {ViTBlock}
-    assert ViTBlock in strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._module_classes
+    model = create_model("sapiens_tiny", depth=3)
+    strategy.find_blocks(model)
+    units = strategy.kwargs["auto_wrap_policy"]._lambda_fn
+    checkpointed = strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._lambda_fn
+    expected = {*model.backbone.blocks, *model.head.upsample, *model.head.refine}
+    assert {m for m in model.modules() if units(m)} == expected
+    assert {m for m in model.modules() if checkpointed(m)} == expected
+    assert all(isinstance(block, ViTBlock) for block in model.backbone.blocks)
     policy = strategy.mixed_precision
     assert (policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype) == (
         torch.bfloat16,
@@ -43,6 +50,32 @@ def test_the_fsdp_preset_shards_per_vit_block_and_checkpoints_the_preset_blocks(
     )
     assert mixed_precision_policy("fp32") is None
     assert MemoptFSDPStrategy(checkpointing=False)._activation_checkpointing_kwargs == {}
+
+
+def test_fsdp_memopt_shards_the_discovered_blocks_of_a_foreign_model():
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc2(self.fc1(x).relu())
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), Layer(), Layer(), Layer())
+    strategy = MemoptFSDPStrategy()
+    assert strategy.find_blocks(model).describe_blocks() == "3 blocks (Layer ×3; discovered)"
+    units = strategy.kwargs["auto_wrap_policy"]._lambda_fn
+    assert [name for name, m in model.named_modules() if units(m)] == ["1", "2", "3"]
+
+
+def test_fsdp_memopt_checkpoints_a_block_without_parameters_but_makes_no_unit_of_it():
+    model = create_model("cotracker2_tiny")  # its correlation block holds no parameters
+    strategy = MemoptFSDPStrategy()
+    strategy.find_blocks(model)
+    units = strategy.kwargs["auto_wrap_policy"]._lambda_fn
+    checkpointed = strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._lambda_fn
+    assert checkpointed(model.correlation) and not units(model.correlation)
+    assert units(model.fnet) and checkpointed(model.fnet)
 
 
 @pytest.mark.parametrize(

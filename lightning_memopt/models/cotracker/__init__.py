@@ -3,6 +3,6 @@
 from lightning_memopt.models.cotracker import presets as _presets  # noqa: F401  (registers the presets)
 from lightning_memopt.models.cotracker.cotracker import CoTracker, CoTracker2, CoTracker3, TrackerOutput
 from lightning_memopt.models.cotracker.fnet import BasicEncoder
-from lightning_memopt.models.cotracker.updateformer import ATTN_IMPLS, UpdateFormer
+from lightning_memopt.models.cotracker.updateformer import UpdateFormer
 
-__all__ = ["ATTN_IMPLS", "BasicEncoder", "CoTracker", "CoTracker2", "CoTracker3", "TrackerOutput", "UpdateFormer"]
+__all__ = ["BasicEncoder", "CoTracker", "CoTracker2", "CoTracker3", "TrackerOutput", "UpdateFormer"]

@@ -28,7 +28,8 @@ from lightning_memopt.models.cotracker.embeddings import (
 )
 from lightning_memopt.models.cotracker.fnet import BasicEncoder
 from lightning_memopt.models.cotracker.sampling import sample_at_frames
-from lightning_memopt.models.cotracker.updateformer import UpdateFormer, check_attn_impl
+from lightning_memopt.models.cotracker.updateformer import UpdateFormer
+from lightning_memopt.models.structure import MemoryStructure, check_attn_impl
 
 
 @dataclass
@@ -173,6 +174,10 @@ class CoTracker(nn.Module):
             num_virtual_tracks=num_virtual_tracks,
             attn_impl=attn_impl,
         )
+
+    def memory_structure(self) -> MemoryStructure:
+        """Its blocks are the feature encoder and the correlation module (the update transformer declares its own)."""
+        return MemoryStructure(blocks=(self.fnet, self.correlation))
 
     def track_context(self, fmaps: Tensor, query_frames: Tensor, query_coords: Tensor) -> TrackContext:
         """Per-clip context from fnet features [B, T, C, h, w], query frames [B, N] and positions [B, N, 2]."""

@@ -6,23 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-ATTN_IMPLS = ("sdpa", "math")
-
-
-def check_attn_impl(attn_impl: str) -> str:
-    """Return ``attn_impl`` if it is one of :data:`ATTN_IMPLS`.
-
-    Raises:
-        ValueError: for any other value, listing the choices.
-
-    Example::
-
-        >>> check_attn_impl("math")
-        'math'
-    """
-    if attn_impl not in ATTN_IMPLS:
-        raise ValueError(f"Unknown `attn_impl`={attn_impl!r}; valid choices: {', '.join(ATTN_IMPLS)}")
-    return attn_impl
+from lightning_memopt.models.structure import AttentionSwitch, MemoryStructure, check_attn_impl
 
 
 def attention(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None, attn_impl: str = "sdpa") -> Tensor:
@@ -78,6 +62,10 @@ class Attention(nn.Module):
             self._split_heads(self.to_q(x)), self._split_heads(key), self._split_heads(value), key_mask, self.attn_impl
         )
         return self.to_out(out.transpose(1, 2).flatten(-2))
+
+    def memory_structure(self) -> MemoryStructure:
+        """Its attention kernel is the ``attn_impl`` attribute."""
+        return MemoryStructure(attention=AttentionSwitch(self))
 
 
 class AttentionBlock(nn.Module):
@@ -194,6 +182,16 @@ class UpdateFormer(nn.Module):
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.zeros_(module.bias)
         nn.init.normal_(self.output_head.weight, std=1e-3)  # start from near-zero updates
+
+    def memory_structure(self) -> MemoryStructure:
+        """Its blocks are the time and space attention blocks."""
+        lists = (
+            self.time_blocks,
+            self.space_virtual_blocks,
+            self.space_virtual_from_point_blocks,
+            self.space_point_from_virtual_blocks,
+        )
+        return MemoryStructure(blocks=tuple(block for blocks in lists for block in blocks))
 
     def _space_block(self, tokens: Tensor, index: int, point_mask: Tensor | None) -> Tensor:
         batch, tracks, frames, width = tokens.shape
