@@ -4,8 +4,10 @@ from lightning_memopt.accumulation.micro_batch import (
     LOSS_REDUCTIONS,
     MicroBatchResult,
     MicroBatchRunner,
+    MicroBatchSizeError,
     SampleOutOfMemoryError,
     halve,
+    min_micro_batch_size,
 )
 from lightning_memopt.accumulation.split import (
     BatchSplitError,
@@ -20,10 +22,12 @@ __all__ = [
     "BatchSplitError",
     "MicroBatchResult",
     "MicroBatchRunner",
+    "MicroBatchSizeError",
     "SampleOutOfMemoryError",
     "batch_size",
     "halve",
     "merge_outputs",
+    "min_micro_batch_size",
     "register_batch_type",
     "slice_batch",
 ]

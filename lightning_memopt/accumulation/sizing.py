@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_memopt.accumulation.micro_batch import Shrink, halve
+from lightning_memopt.accumulation.micro_batch import Shrink, check_min_size, halve
 
 
 class MicroBatchSizer:
@@ -16,16 +16,18 @@ class MicroBatchSizer:
     that many optimizer steps without an error it doubles (back to whole batches once it reaches
     the batch). A growth that runs out of memory within the interval doubles the interval, so a
     size that does not fit is not retried every N steps. Allocator thrashing (retries in
-    ``thrash_steps`` consecutive batches) shrinks it before it fails.
+    ``thrash_steps`` consecutive batches) shrinks it before it fails. It never goes below
+    ``min_size``, the smallest micro-batch the model takes (a batch of fewer samples runs whole).
 
     Args:
         size: the first micro-batch size (``None``: whole batches), e.g. from the planner.
         shrink: ``size -> smaller size`` (default: halve).
         grow_after: optimizer steps without an error before doubling; ``None`` never grows.
         thrash_steps: consecutive steps with allocator retries that shrink pre-emptively; ``None``: off.
+        min_size: the smallest size it gives (2 for batch norm in training); settable later.
 
     Raises:
-        ValueError: for a size, ``grow_after`` or ``thrash_steps`` below 1.
+        ValueError: for a size, ``grow_after``, ``thrash_steps`` or ``min_size`` below 1.
 
     Example::
 
@@ -43,11 +45,14 @@ class MicroBatchSizer:
         shrink: Shrink = halve,
         grow_after: int | None = None,
         thrash_steps: int | None = None,
+        min_size: int = 1,
     ) -> None:
         for name, value in (("micro_batch_size", size), ("grow_after", grow_after), ("thrash_steps", thrash_steps)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"`{name}`={value!r} must be an int ≥ 1 or None")
+        check_min_size(min_size)
         self.size = size
+        self.min_size = min_size
         self.shrink = shrink
         self.grow_after = grow_after
         self.thrash_steps = thrash_steps
@@ -69,13 +74,13 @@ class MicroBatchSizer:
         ):
             self.size = None if 2 * self.size >= self.largest_batch else 2 * self.size
             self.last_change_step = self.grew_at = step
-        return batch_size if self.size is None else min(self.size, batch_size)
+        return batch_size if self.size is None else min(max(self.size, self.min_size), batch_size)
 
     def recovered(self, step: int, size: int) -> None:
         """A batch ran out of memory (on some rank) and completed in micro-batches of ``size``."""
         if self.grow_interval is not None and self.grew_at is not None and step - self.grew_at < self.grow_interval:
             self.grow_interval *= 2  # the last growth did not fit: wait longer before the next
-        self.size = size
+        self.size = max(size, self.min_size)
         self.oom_recoveries += 1
         self.last_change_step = step
         self.thrashing_steps = 0
@@ -85,10 +90,10 @@ class MicroBatchSizer:
         self.thrashing_steps = self.thrashing_steps + 1 if retried else 0
         if self.thrash_steps is None or self.thrashing_steps < self.thrash_steps:
             return False
-        current = batch_size if self.size is None else min(self.size, batch_size)
-        if current <= 1:
+        current = batch_size if self.size is None else min(max(self.size, self.min_size), batch_size)
+        if current <= self.min_size:
             return False
-        self.size = self.shrink(current)
+        self.size = max(self.shrink(current), self.min_size)
         self.preemptive_shrinks += 1
         self.last_change_step = step
         self.thrashing_steps = 0

@@ -25,6 +25,7 @@ from lightning_memopt.accumulation import (
     SampleOutOfMemoryError,
     batch_size,
     halve,
+    min_micro_batch_size,
 )
 from lightning_memopt.accumulation.micro_batch import Shrink, check_loss_reduction, with_loss
 from lightning_memopt.accumulation.schedule import AccumulationSchedule
@@ -48,6 +49,12 @@ class AdaptiveAccumulation(Callback):
     one an all-reduce says whether any rank failed. Gradients are synchronised once per step,
     through DDP's own hooks. Validation, test and predict batches that run out of memory are
     evaluated in chunks, and the outputs are concatenated.
+
+    Micro-batches never go below the smallest the model takes: 2 samples when it has batch-norm
+    layers in training (one sample has no batch variance), else 1; a smaller ``micro_batch_size``
+    is raised to it, with a warning. A model that rejects small micro-batches for another reason
+    teaches its minimum when a micro-batch smaller than those that ran raises an error; the
+    minimum is kept in the checkpoint.
 
     Micro-batches change batch-norm statistics (each sees fewer samples); a warning says so once.
     So does a module whose loss couples a batch's samples, when it says so in a
@@ -73,8 +80,12 @@ class AdaptiveAccumulation(Callback):
         MisconfigurationException: for a bad argument; in ``setup``, manual optimization, a
             strategy other than single-device or DDP, or an ``accumulate_schedule`` together with
             ``Trainer(accumulate_grad_batches=...)``.
-        SampleOutOfMemoryError: during training, when one sample alone does not fit. The error
-            carries the memory profile of a step on that sample.
+        SampleOutOfMemoryError: during training, when the smallest micro-batch the model takes
+            (one sample; two with batch norm in training) does not fit. The error carries the
+            memory profile of a step on that micro-batch.
+        MicroBatchSizeError: during training, when a last, smaller micro-batch of a batch raised
+            an error its larger ones did not: the model does not take so few samples. Later batches
+            (and a resumed run) keep their micro-batches above that size.
 
     Example::
 
@@ -112,7 +123,9 @@ class AdaptiveAccumulation(Callback):
         self._originals: dict[str, Any] = {}  # hook name -> the instance attribute it replaced (or _ABSENT)
         self._train_runner: MicroBatchRunner | None = None
         self._eval_runner: MicroBatchRunner | None = None
-        self._warned_batch_norm = self._warned_coupled_loss = False
+        self._warned_batch_norm = self._warned_coupled_loss = self._warned_min_size = False
+        self.learned_min_size: int | None = None  # taught by an error on a small micro-batch (saved in checkpoints)
+        self._learned_reason: str | None = None
         self._allocator_retries = 0
         self._batch_idx = 0  # of the batch in training: a training_step need not take `batch_idx`
         self._accumulate: int | None = None  # accumulate_grad_batches the schedule set (saved in checkpoints)
@@ -137,6 +150,7 @@ class AdaptiveAccumulation(Callback):
             self._check_fit(trainer, pl_module)
             agree = self._agree_across_ranks(strategy.root_device) if trainer.world_size > 1 else None
             self._train_runner = MicroBatchRunner(pl_module, self.shrink, self.loss_reduction, agree)
+            self._set_min_size(self._train_runner, pl_module)
             self._allocator_retries = allocator_retries(strategy.root_device)
             steps = ("training_step", *steps)
         self._eval_runner = MicroBatchRunner(pl_module, self.shrink)
@@ -162,6 +176,35 @@ class AdaptiveAccumulation(Callback):
                 f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) both set the accumulation; "
                 "give it in one place"
             )
+
+    def _set_min_size(self, runner: MicroBatchRunner, pl_module: nn.Module) -> None:
+        """The smallest micro-batch the module takes as it is now (or as an error taught), for the runner and sizer."""
+        size, reason = min_micro_batch_size(pl_module)
+        learned = [(runner.learned_min_size, runner.learned_min_size_reason)]
+        if runner is self._train_runner:  # (what training taught, evaluation in eval mode need not keep)
+            learned.append((self.learned_min_size, self._learned_reason))
+        for least, why in learned:
+            if least is not None and least > size:
+                size, reason = least, why
+        runner.min_size, runner.min_size_reason = size, reason
+        if runner is not self._train_runner:
+            return
+        self.sizer.min_size = size
+        if self.sizer.size is not None and self.sizer.size < size:
+            if not self._warned_min_size:
+                self._warned_min_size = True
+                rank_zero_warn(
+                    f"AdaptiveAccumulation: micro-batches of {self.sizer.size} are raised to {size}, the smallest the "
+                    f"model takes: {reason}"
+                )
+            self.sizer.size = size
+
+    def _learned_from(self, runner: MicroBatchRunner) -> None:
+        """Keep the minimum the runner learned from an error (for later batches and the checkpoint)."""
+        learned = runner.learned_min_size
+        if learned is not None and learned > (self.learned_min_size or 0):
+            self.learned_min_size, self._learned_reason = learned, runner.learned_min_size_reason
+            self.sizer.min_size = max(self.sizer.min_size, learned)
 
     @staticmethod
     def _agree_across_ranks(device: torch.device) -> Callable[[list[int]], list[int]]:
@@ -210,6 +253,7 @@ class AdaptiveAccumulation(Callback):
         if self._batch_idx % accumulate == 0:
             # Lightning zeroes after training_step, before backward; the micro-batches' backward comes first
             pl_module.optimizer_zero_grad(trainer.current_epoch, self._batch_idx, trainer.optimizers[0])
+        self._set_min_size(self._train_runner, pl_module)  # batch-norm layers may have been frozen since setup
         total = _size_or_none(batch)  # None: a batch that cannot be split runs whole
         size = None if total is None else self.sizer.size_for(trainer.global_step, total)
         if total is not None and size is not None:
@@ -228,6 +272,7 @@ class AdaptiveAccumulation(Callback):
             raise self._with_profile(error, trainer, pl_module) from None
         finally:
             _attach_batch(trainer, batch)
+            self._learned_from(self._train_runner)
         if total is None:  # ran whole (another rank's recovery cannot change that)
             return _deliver(pl_module, result)
         if result.recovered:
@@ -281,7 +326,7 @@ class AdaptiveAccumulation(Callback):
     def _with_profile(
         self, error: SampleOutOfMemoryError, trainer: Trainer, pl_module: LightningModule
     ) -> SampleOutOfMemoryError:
-        """The error again, with a fake-mode memory profile of a training step on the failing sample."""
+        """The error again, with a fake-mode memory profile of a training step on the failing micro-batch."""
         if error.sample is None or any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules()):
             return error  # (a SyncBatchNorm forward would wait for ranks that have stopped)
         precision = getattr(trainer.precision_plugin, "precision", trainer.precision)
@@ -291,13 +336,15 @@ class AdaptiveAccumulation(Callback):
                 profile = profile_step(pl_module, error.sample, mode="fake", precision=precision)
         except Exception as failure:  # the profile is a diagnosis: its own failure must not hide the OOM
             return SampleOutOfMemoryError(
-                f"{error}\n(no memory profile: {type(failure).__name__}: {failure})", error.sample
+                f"{error}\n(no memory profile: {type(failure).__name__}: {failure})", error.sample, size=error.size
             )
+        what = {1: "that one sample", None: "that batch"}.get(error.size, f"those {error.size} samples")
         return SampleOutOfMemoryError(
-            f"{error}\nA training step on that one sample, predicted in fake mode:\n{profile.table()}\n"
+            f"{error}\nA training step on {what}, predicted in fake mode:\n{profile.table()}\n"
             "Lower the memory per sample: ActivationCheckpointing, PrecisionSwitch('auto'), a smaller input or model",
             error.sample,
             profile,
+            size=error.size,
         )
 
     @contextlib.contextmanager
@@ -344,6 +391,7 @@ class AdaptiveAccumulation(Callback):
         @functools.wraps(original)
         def evaluation_step(*args: Any, **kwargs: Any) -> Any:
             assert self._eval_runner is not None
+            self._set_min_size(self._eval_runner, pl_module)  # in eval mode: batch norm takes one sample
             batch = args[0] if args else kwargs["batch"]
             total = _size_or_none(batch)
             size = None if total is None or self.eval_micro_batch_size is None else self.eval_micro_batch_size
@@ -369,6 +417,8 @@ class AdaptiveAccumulation(Callback):
             "eval_micro_batch_size": self.eval_micro_batch_size,
             "accumulate_schedule": self.schedule.describe() if self.schedule else None,
             "accumulate_grad_batches": self._accumulate,
+            "learned_min_size": self.learned_min_size,
+            "learned_min_size_reason": self._learned_reason,
         }
 
     @override
@@ -376,6 +426,10 @@ class AdaptiveAccumulation(Callback):
         self.sizer.load_state_dict(state_dict)
         self.eval_micro_batch_size = state_dict.get("eval_micro_batch_size")
         self._accumulate = state_dict.get("accumulate_grad_batches")
+        self.learned_min_size = state_dict.get("learned_min_size")  # (absent from older checkpoints)
+        self._learned_reason = state_dict.get("learned_min_size_reason")
+        if self._train_runner is not None:  # restored after setup: the runner and sizer take it now
+            self._set_min_size(self._train_runner, self._train_runner.module)
         saved = state_dict.get("accumulate_schedule")
         current = self.schedule.describe() if self.schedule else None
         if saved != current:

@@ -194,8 +194,8 @@ def test_agreement_across_ranks():
 
     def other_rank_is_smaller_and_slower(values):
         calls.append(list(values))
-        negative_size, failed, unfinished, oom = values
-        return [max(negative_size, -2), failed, 1 if len(calls) < 8 else unfinished, oom]  # the other rank: size 2
+        negative_size, failed, unfinished, oom, min_size = values
+        return [max(negative_size, -2), failed, 1 if len(calls) < 8 else unfinished, oom, min_size]  # other: size 2
 
     model = Net()
     result = MicroBatchRunner(model, agree=other_rank_is_smaller_and_slower).run(
@@ -210,7 +210,7 @@ def test_agreement_across_ranks():
 def test_failure_on_another_rank_stops_this_one():
     model = Net()
     with pytest.raises(SampleOutOfMemoryError, match="another rank") as info:
-        MicroBatchRunner(model, agree=lambda values: [values[0], 1, 0, 1]).run(
+        MicroBatchRunner(model, agree=lambda values: [values[0], 1, 0, 1, 1]).run(
             loss_fn(model), BATCH, 4, backward=torch.Tensor.backward
         )
     assert info.value.sample is None
@@ -236,7 +236,7 @@ def test_halve_rounds_up():
 
 def test_an_oom_on_another_rank_counts_as_a_recovery_here():
     model = Net()
-    result = MicroBatchRunner(model, agree=lambda values: [-2, 0, 0, 1]).run(
+    result = MicroBatchRunner(model, agree=lambda values: [-2, 0, 0, 1, 1]).run(
         loss_fn(model), BATCH, None, backward=torch.Tensor.backward
     )
     assert result.recovered and not result.oom_errors and result.micro_batch_size == 2

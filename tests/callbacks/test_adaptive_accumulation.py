@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import lightning_memopt.callbacks.adaptive_accumulation as adaptive_module
 from lightning_memopt import AdaptiveAccumulation, PrecisionSwitch
-from lightning_memopt.accumulation import SampleOutOfMemoryError
+from lightning_memopt.accumulation import MicroBatchSizeError, SampleOutOfMemoryError
 from lightning_memopt.memory import MemoryTracker, SimulatedDevice
 from tests.accumulation.test_micro_batch_runner import FailInBackward, injected_oom
 from tests.helpers import quiet_trainer, run_script
@@ -478,3 +478,94 @@ def test_an_error_in_training_puts_the_steps_back_too():
     with pytest.raises(ValueError, match="a bug in the user's step"):
         fit(module, [AdaptiveAccumulation()], max_steps=1)
     assert "training_step" not in module.__dict__ and "validation_step" not in module.__dict__
+
+
+# ---------------------------------------------------------------- the smallest micro-batch the model takes
+def _face_module():
+    from lightning_memopt.tasks import FaceRecognitionModule
+
+    return FaceRecognitionModule(
+        num_classes=4, backbone="iresnet_tiny", lr=0.05, scale=16.0, margin_list=(1.0, 0.2, 0.0)
+    )  # its IResNet ends in BatchNorm1d: one sample in training is a ValueError
+
+
+def _faces(batch_size=8):
+    from tests.tasks.test_face_recognition import _clustered_faces
+
+    return DataLoader(_clustered_faces(per_class=4), batch_size=batch_size)
+
+
+def test_a_face_model_with_micro_batches_of_one_trains_in_pieces_of_two(recwarn):
+    callback = AdaptiveAccumulation(micro_batch_size=1)
+    module = _face_module()
+    pieces = []
+    module.on_train_batch_end = lambda *args: pieces.append(
+        (callback.last_micro_batch_size, callback.last_micro_batches)
+    )
+    trainer = quiet_trainer(max_steps=2, callbacks=[callback], limit_val_batches=0)
+    trainer.fit(module, _faces(batch_size=4))
+    assert pieces == [(2, 2), (2, 2)]  # batches of 4 in two micro-batches of 2
+    raised = [str(w.message) for w in recwarn if "are raised to" in str(w.message)]
+    assert raised == [
+        "AdaptiveAccumulation: micro-batches of 1 are raised to 2, the smallest the model takes: its BatchNorm1d, "
+        "BatchNorm2d layers need at least 2 samples in training"
+    ]
+    assert callback.sizer.size == 2 and callback.learned_min_size is None
+
+
+def test_a_face_model_whose_two_samples_do_not_fit_reports_their_profile():
+    module, data = _face_module(), _faces()
+    trainer = quiet_trainer(max_steps=1, callbacks=[AdaptiveAccumulation()], limit_val_batches=0)
+    # a batch of 8 images fits (about 0.2 MiB), a training step on 2 samples (about 1.2 MiB) does not
+    with pytest.raises(SampleOutOfMemoryError) as info, SimulatedDevice(640 * 2**10):
+        trainer.fit(module, data)
+    message = str(info.value)
+    assert "a micro-batch of 2 samples, the smallest the model takes (its BatchNorm1d, BatchNorm2d layers need at " \
+           "least 2 samples in training), does not fit" in message
+    assert "A training step on those 2 samples, predicted in fake mode" in message
+    assert info.value.profile is not None and info.value.profile.peak_bytes > 0
+    assert info.value.size == 2 and info.value.sample[0].shape == (2, 3, 32, 32)
+
+
+class RejectsOneSample(OOMToy):
+    """No batch norm, but a training step that refuses a batch of one sample."""
+
+    def training_step(self, batch, batch_idx):
+        if len(batch[0]) == 1:
+            raise ValueError("Expected more than 1 value per channel when training")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_learned_minimum_is_kept_in_the_checkpoint(tmp_path):
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    first = AdaptiveAccumulation(micro_batch_size=8)
+    saver = OnExceptionCheckpoint(dirpath=tmp_path, filename="failed")
+    with pytest.raises(MicroBatchSizeError, match="a micro-batch of 1 sample raised ValueError: Expected more") as info:
+        fit(RejectsOneSample(batch_size=17), [first, saver], max_steps=2, enable_checkpointing=True)  # 8 + 8 + 1
+    assert isinstance(info.value.__cause__, ValueError)
+    assert first.learned_min_size == 2
+    state = first.state_dict()
+    assert state["learned_min_size"] == 2 and "a micro-batch of 1 sample raised" in state["learned_min_size_reason"]
+
+    # restored after setup, from the checkpoint written when it failed
+    resumed, sizes = AdaptiveAccumulation(micro_batch_size=8), []
+    module = RejectsOneSample(batch_size=17)
+    module.on_train_batch_end = lambda *args: sizes.append(resumed.last_micro_batches)
+    fit(module, [resumed], max_steps=2, ckpt_path=str(tmp_path / "failed.ckpt"))
+    assert resumed.learned_min_size == 2 and sizes == [3, 3]  # 8, 7, 2
+    assert resumed._train_runner.min_size == 2
+
+    # restored before setup, and from an older checkpoint without the keys
+    loaded = AdaptiveAccumulation(micro_batch_size=8)
+    loaded.load_state_dict(state)
+    fit(RejectsOneSample(batch_size=17), [loaded], max_steps=2)
+    old = AdaptiveAccumulation()
+    old.load_state_dict({key: value for key, value in state.items() if not key.startswith("learned_min_size")})
+    assert old.learned_min_size is None and old.state_dict()["learned_min_size"] is None
+
+
+def test_evaluation_with_batch_norm_in_eval_mode_still_goes_down_to_one_sample():
+    callback = AdaptiveAccumulation()
+    predictions = quiet_trainer(callbacks=[callback]).predict(OOMToy(batchnorm=True, eval_limit=1))
+    assert torch.cat(predictions).shape == (SAMPLES,) and callback.eval_micro_batch_size == 1
