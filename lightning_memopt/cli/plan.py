@@ -56,7 +56,7 @@ def main(cfg: DictConfig) -> float | None:
     overrides = list(HydraConfig.get().overrides.task)
     try:
         result, overrides = plan_config(cfg, overrides)
-    except PlanError as error:
+    except (PlanError, ValueError, TypeError) as error:  # a config that cannot be planned: its reason, no traceback
         print(f"memopt-plan: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     print(result.table(), flush=True)

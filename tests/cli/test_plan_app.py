@@ -73,3 +73,10 @@ def test_the_pareto_script_reads_the_sweep(tmp_path):
     result = run_python([str(REPO_ROOT / "benchmarks" / "pareto.py"), str(path), "--budget-mib", "2"], tmp_path, 120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fastest within 2.0 MiB: checkpoint=full" in result.stdout
+
+
+def test_memopt_plan_with_blocks_that_match_nothing_exits_with_its_reason(tmp_path):
+    result = _memopt_plan([*TINY_PLAN, "plan.blocks=[decoder.*]", "plan.options=false"], tmp_path)
+    assert result.returncode == 2
+    assert "memopt-plan: `blocks`=['decoder.*'] match no module of the model" in result.stderr
+    assert "Traceback" not in result.stderr

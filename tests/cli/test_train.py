@@ -137,3 +137,12 @@ def test_multirun_refuses_ddp_that_would_relaunch_the_sweep(tmp_path):
     result = run_memopt_train(args, cwd=tmp_path, timeout=300)
     assert result.returncode != 0
     assert "cannot run inside a Hydra multirun (-m)" in result.stderr
+
+
+def test_memopt_auto_that_fits_nothing_exits_with_its_reason_and_no_traceback(tmp_path):
+    budget = "memopt.callbacks.memory_budget.budget=0.00001"  # GiB: less than the model states
+    result = run_memopt_train([*TINY_FACE, "memopt=auto", budget], cwd=tmp_path)
+    assert result.returncode == 2
+    assert "memopt-train: MemoryBudget: the budget" in result.stderr
+    assert "is smaller than the model states alone" in result.stderr
+    assert "Traceback" not in result.stderr
