@@ -135,3 +135,23 @@ def test_micro_batches_of_one_on_a_face_preset_are_left_out_with_the_reason(back
     assert "the model refuses micro-batches of 1 (ValueError: Expected more than 1 value per channel" in refused[0][1]
     assert "left out: the model refuses micro-batches of 1" in result.table()
     assert any(c.knobs.micro_batch_size == 2 for c in result.candidates)  # the sizes it takes were weighed
+
+
+def test_a_transformers_model_is_planned_with_the_defaults():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64
+    )
+    config.num_labels = 10
+
+    def build():
+        return transformers.ViTForImageClassification(config)
+
+    def loss_fn(model, batch):
+        images, labels = batch
+        return torch.nn.functional.cross_entropy(model(pixel_values=images).logits, labels)
+
+    result = plan(build, BATCH, with_budget(gpu("a100_80gb"), 1.0), loss_fn=loss_fn, optimizer=_optimizer)
+    assert result.chosen is not None and result.chosen.fits
+    assert "checkpointing acts on 4 blocks (ViTLayer ×4; discovered)" in result.notes
+    assert any(c.knobs.checkpoint != "none" for c in result.candidates)  # the discovered blocks were weighed
