@@ -209,7 +209,8 @@ def plan(
             rare model where discovery picks the wrong ones.
         options: result-changing options to measure against the chosen plan.
         progress: show a progress bar of the profiles.
-        verify: the most candidates per group profiled to confirm an estimate.
+        verify: the most candidates per group profiled to confirm an estimate; when none of them
+            fits, as many more (at least one) of those estimated to fit are confirmed.
 
     Raises:
         PlanError: the budget is smaller than parameters + gradients + optimizer state alone; the
@@ -379,27 +380,42 @@ def _search_group(search: _Search, group: _Group, anchor: MemoryProfile, verify:
         estimates.append(search.candidate(knobs, checkpointed(anchor, chosen, mode, extra), "estimated"))
     best: Candidate | None = estimates[0] if estimates[0].fits else None
     profiled = [estimates[0]]
+    ordered = sorted(estimates[1:], key=lambda c: c.cost.total)
     tries = 0
-    for estimate in sorted(estimates[1:], key=lambda c: c.cost.total):
+    for estimate in ordered:
         if best is not None and estimate.cost.total >= best.cost.total:
             break
         if tries >= verify or estimate.peak_bytes > search.limit * CONFIRM_WINDOW:
             continue
         tries += 1
-        search.candidates.remove(estimate)  # the profile replaces the estimate
-        planned = estimate.estimate
-        profiled_estimate = replace(
-            from_profile(search.profile(estimate.knobs), extra),
-            regions=planned.regions,
-            region_kernels=planned.region_kernels,
-        )
-        confirmed = search.candidate(estimate.knobs, profiled_estimate, "profiled")
-        confirmed.estimated_bytes = estimate.peak_bytes
-        profiled.append(confirmed)
-        if confirmed.fits and (best is None or confirmed.cost.total < best.cost.total):
-            best = confirmed
+        best = _confirm(search, estimate, extra, profiled, best)
+    # the tries went to estimates just over the limit: confirm the cheapest ones estimated to fit as well
+    fitting = [c for c in ordered if c.fits and c.how == "estimated" and c in search.candidates]
+    for estimate in fitting[: max(verify, 1)]:
+        if best is not None:
+            break
+        best = _confirm(search, estimate, extra, profiled, best)
     if search.devices > 1:
         best = _best_sharded(search, profiled, best)
+    return best
+
+
+def _confirm(
+    search: _Search, estimate: Candidate, extra: int, profiled: list[Candidate], best: Candidate | None
+) -> Candidate | None:
+    """Profile ``estimate``'s knobs in place of the estimate; the better of it (if it fits) and ``best``."""
+    search.candidates.remove(estimate)  # the profile replaces the estimate
+    planned = estimate.estimate
+    profiled_estimate = replace(
+        from_profile(search.profile(estimate.knobs), extra),
+        regions=planned.regions,
+        region_kernels=planned.region_kernels,
+    )
+    confirmed = search.candidate(estimate.knobs, profiled_estimate, "profiled")
+    confirmed.estimated_bytes = estimate.peak_bytes
+    profiled.append(confirmed)
+    if confirmed.fits and (best is None or confirmed.cost.total < best.cost.total):
+        return confirmed
     return best
 
 

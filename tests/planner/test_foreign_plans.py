@@ -155,3 +155,20 @@ def test_a_transformers_model_is_planned_with_the_defaults():
     assert result.chosen is not None and result.chosen.fits
     assert "checkpointing acts on 4 blocks (ViTLayer ×4; discovered)" in result.notes
     assert any(c.knobs.checkpoint != "none" for c in result.candidates)  # the discovered blocks were weighed
+
+
+def test_an_estimate_that_fits_is_confirmed_even_when_the_tries_went_to_estimates_over_the_limit():
+    unchecked, checkpointed = _fake_peak(TinyViT, None), _fake_peak(TinyViT, "auto")
+    budget = (unchecked + checkpointed) / 2 / 0.9
+    result = plan(
+        TinyViT,
+        BATCH,
+        with_budget(gpu("a100_80gb"), budget / 2**30),
+        loss_fn=classification_loss,
+        optimizer=_optimizer,
+        precisions=["32-true"],
+        micro_batching=False,
+        verify=0,
+    )
+    assert result.chosen is not None and result.chosen.how == "profiled", result.table()
+    assert result.chosen.peak_bytes <= result.limit_bytes
