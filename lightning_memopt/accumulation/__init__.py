@@ -6,6 +6,7 @@ from lightning_memopt.accumulation.micro_batch import (
     MicroBatchRunner,
     MicroBatchSizeError,
     SampleOutOfMemoryError,
+    batch_norms,
     halve,
     min_micro_batch_size,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "batch_size",
     "halve",
     "merge_outputs",
+    "batch_norms",
     "min_micro_batch_size",
     "register_batch_type",
     "slice_batch",

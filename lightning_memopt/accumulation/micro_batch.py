@@ -43,11 +43,19 @@ def check_min_size(min_size: int) -> None:
         raise ValueError(f"`min_size`={min_size!r} must be an int ≥ 1 (1: any size; 2: batch norm in training)")
 
 
-def min_micro_batch_size(module: nn.Module) -> tuple[int, str | None]:
+def batch_norms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    """The batch-norm layers of ``module`` (what :func:`min_micro_batch_size` looks at)."""
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def min_micro_batch_size(
+    module: nn.Module, norms: list[nn.modules.batchnorm._BatchNorm] | None = None
+) -> tuple[int, str | None]:
     """The smallest micro-batch ``module`` takes as it is now, and why (``None`` when any size does).
 
     A batch-norm layer that normalises by the batch's statistics (in training, or without running
     statistics) needs at least 2 samples for an ``[N, C]`` input: one sample has no variance.
+    ``norms``: the module's :func:`batch_norms`, when already known (their modes are read now).
 
     Example::
 
@@ -60,9 +68,8 @@ def min_micro_batch_size(module: nn.Module) -> tuple[int, str | None]:
     layers = sorted(
         {
             type(m).__name__
-            for m in module.modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)
-            and (m.training or (m.running_mean is None and m.running_var is None))
+            for m in (batch_norms(module) if norms is None else norms)
+            if m.training or (m.running_mean is None and m.running_var is None)
         }
     )
     if not layers:

@@ -23,6 +23,7 @@ from lightning_memopt.accumulation import (
     MicroBatchResult,
     MicroBatchRunner,
     SampleOutOfMemoryError,
+    batch_norms,
     batch_size,
     halve,
     min_micro_batch_size,
@@ -126,6 +127,7 @@ class AdaptiveAccumulation(Callback):
         self._warned_batch_norm = self._warned_coupled_loss = self._warned_min_size = False
         self.learned_min_size: int | None = None  # taught by an error on a small micro-batch (saved in checkpoints)
         self._learned_reason: str | None = None
+        self._norms: list[nn.Module] | None = None  # the module's batch norms, listed at its first batch
         self._allocator_retries = 0
         self._batch_idx = 0  # of the batch in training: a training_step need not take `batch_idx`
         self._accumulate: int | None = None  # accumulate_grad_batches the schedule set (saved in checkpoints)
@@ -134,6 +136,7 @@ class AdaptiveAccumulation(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         strategy = trainer.strategy
+        self._norms = None  # listed again at this run's first batch
         if not isinstance(strategy, SingleDeviceStrategy | DDPStrategy) or strategy.handles_gradient_accumulation:
             raise MisconfigurationException(
                 f"AdaptiveAccumulation works with single-device and DDP strategies, not {type(strategy).__name__}"
@@ -177,9 +180,15 @@ class AdaptiveAccumulation(Callback):
                 "give it in one place"
             )
 
-    def _set_min_size(self, runner: MicroBatchRunner, pl_module: nn.Module) -> None:
-        """The smallest micro-batch the module takes as it is now (or as an error taught), for the runner and sizer."""
-        size, reason = min_micro_batch_size(pl_module)
+    def _set_min_size(self, runner: MicroBatchRunner, pl_module: nn.Module, cached: bool = False) -> None:
+        """The smallest micro-batch the module takes as it is now (or as an error taught), for the runner and sizer.
+
+        ``cached``: read the modes of the batch norms listed at the first batch (after ``configure_model``
+        has built every layer) instead of walking the module again, as every step does.
+        """
+        if cached and self._norms is None:
+            self._norms = batch_norms(pl_module)
+        size, reason = min_micro_batch_size(pl_module, self._norms if cached else None)
         learned = [(runner.learned_min_size, runner.learned_min_size_reason)]
         if runner is self._train_runner:  # (what training taught, evaluation in eval mode need not keep)
             learned.append((self.learned_min_size, self._learned_reason))
@@ -253,7 +262,7 @@ class AdaptiveAccumulation(Callback):
         if self._batch_idx % accumulate == 0:
             # Lightning zeroes after training_step, before backward; the micro-batches' backward comes first
             pl_module.optimizer_zero_grad(trainer.current_epoch, self._batch_idx, trainer.optimizers[0])
-        self._set_min_size(self._train_runner, pl_module)  # batch-norm layers may have been frozen since setup
+        self._set_min_size(self._train_runner, pl_module, cached=True)  # batch norms may have been frozen since
         total = _size_or_none(batch)  # None: a batch that cannot be split runs whole
         size = None if total is None else self.sizer.size_for(trainer.global_step, total)
         if total is not None and size is not None:
@@ -391,7 +400,7 @@ class AdaptiveAccumulation(Callback):
         @functools.wraps(original)
         def evaluation_step(*args: Any, **kwargs: Any) -> Any:
             assert self._eval_runner is not None
-            self._set_min_size(self._eval_runner, pl_module)  # in eval mode: batch norm takes one sample
+            self._set_min_size(self._eval_runner, pl_module, cached=True)  # in eval mode: batch norm takes one sample
             batch = args[0] if args else kwargs["batch"]
             total = _size_or_none(batch)
             size = None if total is None or self.eval_micro_batch_size is None else self.eval_micro_batch_size

@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
 from lightning_memopt.callbacks.precision_switch import PrecisionSwitch
-from lightning_memopt.checkpointing import Policy
+from lightning_memopt.checkpointing import check_blocks
 from lightning_memopt.models.structure import attention_kernels, set_attention
 from lightning_memopt.planner import Hardware, Knobs, Plan, PlanError, cuda_hardware, measure_cpu, plan, with_budget
 from lightning_memopt.planner import gpu as catalogue_gpu
@@ -73,7 +73,7 @@ class MemoryBudget(Callback):
         blocks: Any = "auto",
     ) -> None:
         try:
-            Policy(blocks)  # the module specs are checked here; whether they match, in setup
+            check_blocks(blocks)  # whether they match the model is checked in setup
             self.knobs: Knobs | None = Knobs(**knobs) if knobs is not None else None
             self.hardware_name = gpu
             if gpu is not None:

@@ -11,7 +11,7 @@ Example::
 """
 
 from lightning_memopt.checkpointing.offload import offload_to_host
-from lightning_memopt.checkpointing.policy import MODES, Policy, parse_policy
+from lightning_memopt.checkpointing.policy import MODES, Policy, check_blocks, parse_policy
 from lightning_memopt.checkpointing.selective import SAVED_OP_NAMES, SAVED_OPS, selective_context
 from lightning_memopt.checkpointing.wrap import (
     CheckpointReport,
@@ -28,6 +28,7 @@ __all__ = [
     "CheckpointReport",
     "Policy",
     "apply_activation_checkpointing",
+    "check_blocks",
     "checkpoint_mode",
     "checkpoint_modules",
     "offload_to_host",

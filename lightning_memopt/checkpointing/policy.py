@@ -84,6 +84,26 @@ class Policy:
         return found if self.every_n is None else _every_nth_sibling(found, self.every_n)
 
 
+def check_blocks(blocks: Any) -> None:
+    """Check the ``blocks`` argument of the planner: ``"auto"`` or module classes, dotted paths and name globs.
+
+    Raises:
+        ValueError: naming ``blocks``, the bad value and the valid choices.
+
+    Example::
+
+        >>> check_blocks(["encoder.layers.*", "torch.nn.TransformerEncoderLayer"])
+    """
+    if blocks is None or (isinstance(blocks, str) and blocks in AUTO):
+        return
+    if not isinstance(blocks, str | type | Iterable):
+        raise ValueError(
+            f"`blocks`={blocks!r} must be 'auto' (the blocks the model declares, else those discovered), or module "
+            "classes, dotted class paths and name globs"
+        )
+    normalise_specs(blocks, "blocks")
+
+
 def parse_policy(spec: Any) -> tuple[Policy, ...]:
     """Turn a policy given as an object, string, class, mapping or list of those into policies.
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_memopt.accumulation.split import batch_size, slice_batch
-from lightning_memopt.checkpointing import Policy, apply_activation_checkpointing
+from lightning_memopt.checkpointing import Policy, apply_activation_checkpointing, check_blocks
 from lightning_memopt.memory.profile import LossFn, MemoryProfile, OptimizerSource, profile_step
 from lightning_memopt.memory.work import Work
 from lightning_memopt.models.structure import model_structure, set_attention
@@ -232,6 +232,7 @@ def plan(
         raise ValueError(f"`safety_margin`={safety_margin!r} must be in [0, 1)")
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"`devices`={devices!r} must be a positive int")
+    check_blocks(blocks)
     factory = (lambda: model) if isinstance(model, nn.Module) else model
     with torch.device("meta"):
         described = factory() if not isinstance(model, nn.Module) else model

@@ -62,11 +62,15 @@ class ModelBlocks:
     def find(self, model: nn.Module) -> ModelStructure:
         """Find the blocks of ``model``; returns its structure."""
         structure = model_structure(model)
+        self.use(structure)
+        return structure
+
+    def use(self, structure: ModelStructure) -> None:
+        """Take the blocks of a model's ``structure``."""
         blocks = structure.blocks
         if self.sharded:
             blocks = [(name, block) for name, block in blocks if next(block.parameters(), None) is not None]
         self.ids = {id(block) for _, block in blocks}
-        return structure
 
     def __call__(self, module: nn.Module) -> bool:
         return id(module) in self.ids
@@ -122,8 +126,10 @@ class MemoptFSDPStrategy(FSDPStrategy):
 
     def find_blocks(self, model: nn.Module) -> ModelStructure:
         """Find the FSDP units and checkpointed blocks of ``model`` (done when the strategy wraps it)."""
-        self.checkpointed_blocks.find(model)
-        return self.shard_units.find(model)
+        structure = model_structure(model)
+        self.checkpointed_blocks.use(structure)
+        self.shard_units.use(structure)
+        return structure
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:

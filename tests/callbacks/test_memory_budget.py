@@ -84,6 +84,8 @@ def test_nothing_fitting_is_an_error_with_the_table(tmp_path):
         ({"safety_margin": 1.0}, "`safety_margin`=1.0 must be in"),
         ({"knobs": {"precision": "fp8"}}, "Unknown `precision`='fp8'"),
         ({"knobs": {"layers": 2}}, "unexpected keyword argument 'layers'"),
+        ({"blocks": 12}, "`blocks`=12 must be 'auto'"),
+        ({"blocks": ["layers.*", 3]}, "`blocks` entry 3 must be a module class, a dotted class path or a name glob"),
     ],
 )
 def test_bad_arguments_are_named(arguments, message):

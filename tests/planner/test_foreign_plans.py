@@ -50,20 +50,19 @@ def _real_peak(build, knobs: Knobs, budget_bytes: int) -> int:
     return device.peak.total_bytes
 
 
+def _plan_between_the_peaks(build, unchecked: int, checkpointed: int, **options):
+    """fp32 plans without micro-batches at a budget between the two peaks (10 % safety margin taken): plan, budget."""
+    budget = (unchecked + checkpointed) / 2 / 0.9
+    hardware = with_budget(gpu("a100_80gb"), budget / 2**30)
+    options = {"precisions": ["32-true"], "micro_batching": False, **options}
+    return plan(build, BATCH, hardware, loss_fn=classification_loss, optimizer=_optimizer, **options), budget
+
+
 @pytest.mark.parametrize("build", [TinyViT, StagedCNN])
 def test_a_budget_only_checkpointing_meets_gets_a_plan_on_the_discovered_blocks(build):
     unchecked, checkpointed = _fake_peak(build, None), _fake_peak(build, "auto")
     assert checkpointed < 0.9 * unchecked
-    budget = (unchecked + checkpointed) / 2 / 0.9  # between the two once the 10 % safety margin is taken
-    result = plan(
-        build,
-        BATCH,
-        with_budget(gpu("a100_80gb"), budget / 2**30),
-        loss_fn=classification_loss,
-        optimizer=_optimizer,
-        precisions=["32-true"],
-        micro_batching=False,
-    )
+    result, budget = _plan_between_the_peaks(build, unchecked, checkpointed)
     assert result.chosen is not None, result.table()
     assert result.chosen.knobs.checkpoint != "none"
     assert "discovered" in "\n".join(result.notes)
@@ -85,6 +84,8 @@ def test_explicit_blocks_replace_discovery_and_must_match():
     assert "checkpointing acts on the 4 modules `blocks` selects" in result.notes
     with pytest.raises(PlanError, match=r"`blocks`='decoder\.\*' match no module of the model; module classes"):
         plan(TinyViT, BATCH, hardware, loss_fn=classification_loss, optimizer=_optimizer, blocks="decoder.*")
+    with pytest.raises(ValueError, match=r"`blocks`=12 must be 'auto' \(the blocks the model declares"):
+        plan(TinyViT, BATCH, hardware, loss_fn=classification_loss, optimizer=_optimizer, blocks=12)
 
 
 def test_a_model_with_nothing_repeated_is_planned_without_checkpointing_and_says_so():
@@ -159,16 +160,6 @@ def test_a_transformers_model_is_planned_with_the_defaults():
 
 def test_an_estimate_that_fits_is_confirmed_even_when_the_tries_went_to_estimates_over_the_limit():
     unchecked, checkpointed = _fake_peak(TinyViT, None), _fake_peak(TinyViT, "auto")
-    budget = (unchecked + checkpointed) / 2 / 0.9
-    result = plan(
-        TinyViT,
-        BATCH,
-        with_budget(gpu("a100_80gb"), budget / 2**30),
-        loss_fn=classification_loss,
-        optimizer=_optimizer,
-        precisions=["32-true"],
-        micro_batching=False,
-        verify=0,
-    )
+    result, _ = _plan_between_the_peaks(TinyViT, unchecked, checkpointed, verify=0)
     assert result.chosen is not None and result.chosen.how == "profiled", result.table()
     assert result.chosen.peak_bytes <= result.limit_bytes
