@@ -1,0 +1,193 @@
+"""Official checkpoints in and out: the released IResNet, Sapiens and CoTracker weights load into our presets.
+
+``convert_official_state_dict`` maps an official state dict to ours, ``to_official_state_dict`` maps
+back (bitwise: official → ours → official returns the same tensors), and ``load_pretrained`` reads a
+file into a model, logging what it did. Which layout applies is decided by the model's class.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+
+from lightning_memopt.models.iresnet import IResNet
+from lightning_memopt.models.official.layout import (
+    ConversionReport,
+    OfficialCheckpointError,
+    OfficialLayout,
+    convert_to_official,
+    convert_to_ours,
+    unwrap_state_dict,
+)
+from lightning_memopt.models.registry import create_model
+
+__all__ = [
+    "ConversionReport",
+    "OfficialCheckpointError",
+    "OfficialLayout",
+    "convert_official_state_dict",
+    "load_pretrained",
+    "official_layout",
+    "read_official_file",
+    "to_official_state_dict",
+]
+
+
+class IResNetLayout(OfficialLayout):
+    """insightface ``arcface_torch`` IResNet: the same key names and shapes as ours."""
+
+    family = "IResNet"
+
+
+# Most specific classes first: a layout applies to its class and subclasses.
+_LAYOUTS: tuple[tuple[type[nn.Module], type[OfficialLayout]], ...] = ((IResNet, IResNetLayout),)
+
+
+def official_layout(model: nn.Module, backbone_only: bool = False) -> OfficialLayout:
+    """The official layout of ``model`` (an IResNet, Sapiens or CoTracker preset).
+
+    ``backbone_only`` selects the layout of a file holding the backbone alone (Sapiens MAE pre-training).
+
+    Raises:
+        OfficialCheckpointError: for a model with no official layout, naming the supported classes.
+
+    Example::
+
+        >>> from lightning_memopt.models import create_model
+        >>> official_layout(create_model("iresnet_tiny")).family
+        'IResNet'
+    """
+    for model_class, layout_class in _LAYOUTS:
+        if isinstance(model, model_class):
+            return layout_class(model, backbone_only)
+    supported = ", ".join(model_class.__name__ for model_class, _ in _LAYOUTS)
+    raise OfficialCheckpointError(
+        f"no official layout for a {type(model).__name__}; official checkpoints exist for: {supported}"
+    )
+
+
+def _preset(name: str, overrides: Mapping[str, Any]) -> nn.Module:
+    with torch.device("meta"):
+        return create_model(name, **overrides)
+
+
+def convert_official_state_dict(state_dict: Mapping[str, Any], name: str, **preset_overrides: Any) -> dict[str, Tensor]:
+    """Our state dict for preset ``name`` from an official one (a file's content: containers are unwrapped).
+
+    Args:
+        state_dict: the official tensors, bare or in ``{"state_dict": …}`` / ``{"model": …}``, keys
+            with or without ``module.``.
+        name: the preset (``"r50"``, ``"sapiens_1b"``, ``"cotracker3"``, …).
+        **preset_overrides: the preset's constructor overrides the checkpoint was made for
+            (``window_len``, ``model_resolution``, ``image_size`` …).
+
+    Raises:
+        OfficialCheckpointError: listing the keys that do not match, on both sides.
+
+    Example::
+
+        >>> from lightning_memopt.models import create_model
+        >>> official = {"module." + key: value for key, value in create_model("iresnet_tiny").state_dict().items()}
+        >>> ours = convert_official_state_dict({"state_dict": official}, "iresnet_tiny")
+        >>> sorted(ours)[:2]
+        ['bn1.bias', 'bn1.num_batches_tracked']
+    """
+    converted, _ = convert_to_ours(unwrap_state_dict(state_dict), official_layout(_preset(name, preset_overrides)))
+    return converted
+
+
+def to_official_state_dict(state_dict: Mapping[str, Tensor], name: str, **preset_overrides: Any) -> dict[str, Tensor]:
+    """The official state dict of our state dict of preset ``name``; inverse of :func:`convert_official_state_dict`.
+
+    Raises:
+        OfficialCheckpointError: when ``state_dict`` is not a complete state dict of the preset.
+
+    Example::
+
+        >>> from lightning_memopt.models import create_model
+        >>> ours = create_model("iresnet_tiny").state_dict()
+        >>> official = to_official_state_dict(ours, "iresnet_tiny")
+        >>> all(torch.equal(official[key], value) for key, value in ours.items())
+        True
+    """
+    return convert_to_official(state_dict, official_layout(_preset(name, preset_overrides)))
+
+
+def read_official_file(path: str | Path, weights_only: bool = True) -> dict[str, Tensor]:
+    """The tensors of an official checkpoint file (containers unwrapped, ``module.`` stripped).
+
+    Args:
+        path: a ``.pth`` / ``.pt`` / ``.ckpt`` file.
+        weights_only: load with ``torch.load(weights_only=True)``; files that pickle other objects
+            (some training scripts save their config) need ``False``, for a file you trust.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        OfficialCheckpointError: the file holds no state dict, or objects ``weights_only`` refuses.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint file {str(path)!r} does not exist")
+    try:
+        content = torch.load(path, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as error:
+        raise OfficialCheckpointError(
+            f"{str(path)!r} holds objects besides tensors, which `weights_only=True` refuses to unpickle "
+            f"({str(error).splitlines()[0]}); if you trust the file, load it with `weights_only=False`"
+        ) from error
+    if not isinstance(content, Mapping):
+        raise OfficialCheckpointError(f"{str(path)!r} holds a {type(content).__name__}, not a state dict")
+    return unwrap_state_dict(content)
+
+
+def load_pretrained(
+    model: nn.Module,
+    path: str | Path,
+    strict: bool = True,
+    backbone_only: bool = False,
+    weights_only: bool = True,
+) -> ConversionReport:
+    """Load an official checkpoint file into ``model`` (converted to our layout), and log what was loaded.
+
+    Args:
+        model: an IResNet, Sapiens or CoTracker preset.
+        path: the official file.
+        backbone_only: the file holds the backbone alone (a Sapiens MAE pre-training checkpoint); the
+            rest of the model (the head) keeps its initialisation.
+        strict: every tensor must match (the default). ``False`` loads what matches and warns with
+            every key that did not; nothing is skipped without being named.
+        weights_only: see :func:`read_official_file`.
+
+    Returns:
+        The conversion report (also logged).
+
+    Raises:
+        OfficialCheckpointError: with ``strict=True``, listing the keys that do not match on both sides.
+
+    Example::
+
+        >>> import tempfile, os
+        >>> from lightning_memopt.models import create_model
+        >>> path = os.path.join(tempfile.mkdtemp(), "backbone.pth")
+        >>> torch.save(create_model("iresnet_tiny").state_dict(), path)
+        >>> load_pretrained(create_model("iresnet_tiny"), path).tensors
+        115
+    """
+    layout = official_layout(model, backbone_only)
+    converted, report = convert_to_ours(read_official_file(path, weights_only), layout, strict=strict)
+    adapted = layout.prepare(model, converted)
+    # Non-strict at the module level only for the tensors outside the template (the head of a backbone-only
+    # load): the conversion has already checked every tensor of the template.
+    model.load_state_dict(converted, strict=strict and not backbone_only)
+    message = f"loaded {path}: {report.summary()}" + "".join(f"; {line}" for line in adapted)
+    if report.not_loaded:
+        rank_zero_warn(message)
+    else:
+        rank_zero_info(message)
+    return report
