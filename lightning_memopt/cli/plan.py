@@ -15,12 +15,18 @@ import sys
 import hydra
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_memopt.cli.config import config_dir
 from lightning_memopt.planner import Plan, PlanError, gpu, plan, with_budget
-from lightning_memopt.planner.config import FAMILY_DATA, family, first_batch, result_changing_options, train_command
+from lightning_memopt.planner.config import (
+    FAMILY_DATA,
+    family,
+    first_batch,
+    instantiate_model,
+    result_changing_options,
+    train_command,
+)
 
 
 def plan_config(cfg: DictConfig, overrides: list[str]) -> tuple[Plan, list[str]]:
@@ -33,7 +39,7 @@ def plan_config(cfg: DictConfig, overrides: list[str]) -> tuple[Plan, list[str]]
         cfg = compose("plan", overrides=overrides)
     hardware = gpu(cfg.gpu) if cfg.budget is None else with_budget(gpu(cfg.gpu), float(cfg.budget))
     result = plan(
-        lambda: instantiate(cfg.model),
+        lambda: instantiate_model(cfg.model),
         first_batch(cfg),
         hardware,
         safety_margin=float(cfg.safety_margin),

@@ -18,16 +18,21 @@ from lightning_memopt.models.vit import VisionTransformer
 
 
 class SapiensNormal(nn.Module):
-    """Images ``[B, 3, H, W]`` → unit surface normals ``[B, 3, 8h, 8w]`` (``h × w`` the token grid).
+    """Images ``[B, 3, H, W]`` → surface normals ``[B, 3, 8h, 8w]`` (``h × w`` the token grid), raw by default.
 
     The transformer blocks are ``backbone.blocks`` (``ViTBlock``); the head is ``head``. At the
-    published 1024 × 768 input and patch 16, the 64 × 48 tokens give a 512 × 384 normal map.
+    published 1024 × 768 input and patch 16, the 64 × 48 tokens give a 512 × 384 normal map. As in
+    the official model, the output is not unit length: normalise it after resizing it to the image
+    (see :func:`lightning_memopt.tasks.normal_estimation.resize_normals`).
 
     Args:
         head_channels: channels of the head's deconv and 1×1 conv layers (768 in the presets).
         head_conv_layers: number of 1×1 conv layers after the three deconvs (3 in the presets).
-        image_size: the ``(H, W)`` input the preset is meant for; a description for tools that build an
-            example input (any size whose token grid is at least 1 × 1 runs).
+        head_dropout: rate of the head's ``Dropout2d`` before its final conv (0.1, as in the reference).
+        normalize_output: return unit normals (normalised in the head, this project's earlier behaviour).
+        image_size: the ``(H, W)`` input the preset is meant for: tools build example inputs of this
+            size, and official checkpoints hold a position table on its token grid (any size whose
+            token grid is at least 1 × 1 runs).
         **backbone_options: arguments of :class:`lightning_memopt.models.vit.VisionTransformer`:
             ``embed_dim``, ``depth``, ``num_heads``, ``ffn_dim`` (required), ``patch_size`` (16; 32
             quarters the tokens and the output size), ``patch_padding`` (2), ``position_grid`` (the
@@ -35,7 +40,8 @@ class SapiensNormal(nn.Module):
             ``attn_impl`` (``"sdpa"`` or ``"math"``).
 
     Raises:
-        ValueError: for a bad ``image_size``, inconsistent backbone sizes or an unknown ``attn_impl``.
+        ValueError: for a bad ``image_size`` or ``head_dropout``, inconsistent backbone sizes or an unknown
+            ``attn_impl``.
 
     Example::
 
@@ -49,6 +55,8 @@ class SapiensNormal(nn.Module):
         self,
         head_channels: int = 768,
         head_conv_layers: int = 3,
+        head_dropout: float = 0.1,
+        normalize_output: bool = False,
         image_size: Sequence[int] = (1024, 768),
         **backbone_options: Any,
     ) -> None:
@@ -61,7 +69,18 @@ class SapiensNormal(nn.Module):
             self.backbone.embed_dim,
             deconv_channels=(head_channels,) * 3,
             conv_channels=(head_channels,) * head_conv_layers,
+            dropout=head_dropout,
+            normalize_output=normalize_output,
         )
+        # A state dict whose position table lies on the token grid (an official checkpoint, or one of ours saved
+        # after loading it) makes the model adopt that grid on any load, a resumed fit's included.
+        self.register_load_state_dict_pre_hook(self._adopt_token_grid)
+
+    def _adopt_token_grid(self, module: nn.Module, state_dict: dict, prefix: str, *args: object) -> None:
+        table = state_dict.get(prefix + "backbone.pos_embed")
+        grid = self.backbone.token_grid(*self.image_size)
+        if table is not None and table.dim() == 3 and table.shape[1] == grid[0] * grid[1]:
+            self.backbone.set_position_grid(grid)
 
     def forward(self, images: Tensor) -> Tensor:
         return self.head(self.backbone(images))

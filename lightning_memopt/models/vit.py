@@ -1,9 +1,9 @@
 """A plain Vision Transformer that returns a feature map: the backbone of the Sapiens presets.
 
 Patch embedding conv (kernel = stride = patch size, padding 2), a learned position table of the
-pre-training grid resized at forward time to the actual token grid, pre-norm blocks with qkv bias
-and stochastic depth, a final LayerNorm, and the tokens reshaped to ``[B, C, H/p, W/p]``. There is
-no class token.
+pre-training grid resized at forward time to the actual token grid (or moved to one grid for good
+with ``set_position_grid``), pre-norm blocks with qkv bias and stochastic depth, a final LayerNorm,
+and the tokens reshaped to ``[B, C, H/p, W/p]``. There is no class token.
 """
 
 from __future__ import annotations
@@ -151,7 +151,8 @@ class VisionTransformer(nn.Module):
 
     The token grid is ``h = ⌊(H + 2·padding − p) / p⌋ + 1`` (likewise ``w``): 64 × 48 for a
     1024 × 768 input at patch 16. The position table holds ``position_grid`` (the pre-training grid,
-    64 × 64) and is resized bicubically to the token grid of each input, so any input size runs.
+    64 × 64) and is resized bicubically to the token grid of each input, so any input size runs;
+    :meth:`set_position_grid` moves the table to another grid for good.
 
     Args:
         embed_dim: token width ``C``.
@@ -251,6 +252,37 @@ class VisionTransformer(nn.Module):
         """
         stride, padding = self.patch_size, self.patch_padding
         return (height + 2 * padding - stride) // stride + 1, (width + 2 * padding - stride) // stride + 1
+
+    def set_position_grid(self, grid: Sequence[int]) -> None:
+        """Hold the position table on ``grid`` from now on: the table is resized to it once (bicubic).
+
+        A model whose inputs all share one token grid (the fine-tuned Sapiens checkpoints: 64 × 48
+        at 1024 × 768) then adds its table with no resize at forward time. ``pos_embed`` becomes a new
+        parameter on the same device, of the same dtype and ``requires_grad``: call this before an
+        optimizer or a sharding wrapper takes the parameters.
+
+        Args:
+            grid: the new ``(h, w)``; nothing changes when it is the current grid.
+
+        Raises:
+            ValueError: for a grid that is not two positive integers.
+
+        Example::
+
+            >>> vit = VisionTransformer(embed_dim=8, depth=1, num_heads=1, ffn_dim=8, position_grid=(4, 4))
+            >>> vit.set_position_grid(vit.token_grid(64, 48))
+            >>> vit.position_grid, tuple(vit.pos_embed.shape)
+            ((4, 3), (1, 12, 8))
+        """
+        if len(grid) != 2 or min(grid) < 1:
+            raise ValueError(f"`grid`={grid!r} must be two positive integers (h, w)")
+        target = (int(grid[0]), int(grid[1]))
+        if target == self.position_grid:
+            return
+        with torch.no_grad():
+            table = resize_position_table(self.pos_embed, self.position_grid, target)
+        self.pos_embed = nn.Parameter(table.contiguous(), requires_grad=self.pos_embed.requires_grad)
+        self.position_grid = target
 
     def layer_id(self, name: str) -> int:
         """Depth of parameter ``name`` (relative to this module) for layer-wise learning-rate decay.

@@ -27,6 +27,11 @@ SMALLER_BACKBONE = {
 }
 
 
+def instantiate_model(model_cfg: DictConfig) -> Any:
+    """The task of ``model_cfg`` without its pretrained files: a step's memory does not depend on the weights."""
+    return instantiate(model_cfg, **{key: None for key in ("pretrained", "pretrained_backbone") if key in model_cfg})
+
+
 def family(cfg: DictConfig) -> str:
     """The task class name of ``cfg.model`` (``"NormalEstimationModule"`` …)."""
     return str(cfg.model._target_).rpartition(".")[2]
@@ -103,7 +108,7 @@ def _changed(cfg: DictConfig, name: str, caveat: str, overrides: list[str]) -> R
     data_changed = any(o.startswith("data.") for o in overrides)
     batch = first_batch(changed_cfg) if data_changed else None
     return ResultChangingOption(
-        name, caveat, tuple(overrides), model=lambda: instantiate(changed_cfg.model), batch=batch
+        name, caveat, tuple(overrides), model=lambda: instantiate_model(changed_cfg.model), batch=batch
     )
 
 

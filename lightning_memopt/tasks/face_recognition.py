@@ -24,6 +24,7 @@ from lightning_memopt.losses.topology import VARIANTS
 from lightning_memopt.metrics import FaceVerification, KNNRetrieval
 from lightning_memopt.metrics.sharded import communication_device, is_distributed, max_over_ranks
 from lightning_memopt.models import create_model
+from lightning_memopt.models.official import apply_pretrained
 from lightning_memopt.tasks.lr_schedule import clip_sharded_root, step_scheduler, warmup_decay
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -46,6 +47,9 @@ class FaceRecognitionModule(LightningModule):
         num_classes: number of identities in the training set.
         backbone: a preset name from :func:`lightning_memopt.models.list_models`.
         backbone_options: keyword overrides for the preset (e.g. ``{"input_size": 32}``).
+        pretrained: an official checkpoint file of the whole network, loaded after construction
+            (see :func:`lightning_memopt.models.official.load_pretrained`).
+        pretrained_backbone: an official backbone-only checkpoint file (Sapiens MAE pre-training).
         margin_list: ``(m1, m2, m3)`` of :class:`CombinedMarginLoss`.
         scale: logit scale ``s``.
         sample_rate: Partial FC sampling rate in (0, 1]; 1 is the full softmax.
@@ -93,6 +97,8 @@ class FaceRecognitionModule(LightningModule):
         num_classes: int,
         backbone: str = "r18",
         backbone_options: Mapping[str, Any] | None = None,
+        pretrained: str | None = None,
+        pretrained_backbone: str | None = None,
         margin_list: Sequence[float] = (1.0, 0.5, 0.0),
         scale: float = 64.0,
         sample_rate: float = 1.0,
@@ -120,6 +126,7 @@ class FaceRecognitionModule(LightningModule):
         _check_topology_options(topo_weight, topo_variant, topo_input_size, em_iterations)
         self.save_hyperparameters()
         self.backbone = create_model(backbone, **dict(backbone_options or {}))
+        apply_pretrained(self.backbone, pretrained, pretrained_backbone)
         self.head = PartialFC(
             num_classes=num_classes,
             embedding_size=cast(int, self.backbone.embedding_size),

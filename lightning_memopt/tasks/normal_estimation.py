@@ -1,7 +1,7 @@
 """LightningModule for surface-normal estimation: a Sapiens network, cosine + L1 loss, angular-error metrics.
 
-The loss and the metrics compare at the label resolution: the head's prediction is upsampled
-bilinearly to the size of the ground-truth normal map, then normalised to unit length again.
+The loss and the metrics compare at the label resolution: the head's raw prediction is upsampled
+bilinearly to the size of the ground-truth normal map, then normalised to unit length.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_memopt.models import VisionTransformer, create_model
+from lightning_memopt.models.official import apply_pretrained
 from lightning_memopt.tasks.lr_schedule import clip_sharded_root, step_scheduler, warmup_decay
 
 ANGLE_THRESHOLDS = (11.25, 22.5, 30.0)
@@ -225,6 +226,9 @@ class NormalEstimationModule(LightningModule):
         backbone: a Sapiens preset from :func:`lightning_memopt.models.list_models` (the whole
             network, ViT backbone plus normal head), e.g. ``"sapiens_2b"`` or ``"sapiens_tiny"``.
         backbone_options: keyword overrides for the preset (e.g. ``{"patch_size": 32}``).
+        pretrained: an official checkpoint file of the whole network, loaded after construction
+            (see :func:`lightning_memopt.models.official.load_pretrained`).
+        pretrained_backbone: an official backbone-only checkpoint file (Sapiens MAE pre-training).
         lr: peak learning rate of the top layer.
         betas: AdamW betas.
         weight_decay: AdamW weight decay (not on biases, norms, the position table).
@@ -251,6 +255,8 @@ class NormalEstimationModule(LightningModule):
         self,
         backbone: str = "sapiens_0.3b",
         backbone_options: Mapping[str, Any] | None = None,
+        pretrained: str | None = None,
+        pretrained_backbone: str | None = None,
         lr: float = 5e-4,
         betas: Sequence[float] = (0.9, 0.999),
         weight_decay: float = 0.1,
@@ -273,6 +279,7 @@ class NormalEstimationModule(LightningModule):
         warmup_decay(total_steps=warmup_steps + 1, warmup_steps=warmup_steps, schedule=schedule, power=power)
         self.save_hyperparameters()
         self.network = create_model(backbone, **dict(backbone_options or {}))
+        apply_pretrained(self.network, pretrained, pretrained_backbone)
         if not isinstance(getattr(self.network, "backbone", None), VisionTransformer):
             raise ValueError(
                 f"`backbone`={backbone!r} is not a normal-estimation network with a ViT `backbone`;"
@@ -282,8 +289,8 @@ class NormalEstimationModule(LightningModule):
 
     @override
     def forward(self, images: Tensor) -> Tensor:
-        """Unit surface normals at the head's resolution (8× the token grid)."""
-        return self.network(images)
+        """Unit surface normals at the head's resolution (8× the token grid): the network's raw output, normalised."""
+        return F.normalize(self.network(images), dim=1)
 
     def loss_terms(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(prediction at the label size, loss, cosine term, L1 term)`` of a batch, in fp32."""

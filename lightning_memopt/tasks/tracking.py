@@ -1,4 +1,4 @@
-"""LightningModule for point tracking (CoTracker2 / CoTracker3), with its losses and TAP-Vid style metrics.
+"""LightningModule for point tracking (CoTracker2 / CoTracker3 online, offline), its losses and TAP-Vid metrics.
 
 Batches are dicts (see :mod:`lightning_memopt.data.tracking_sample`): ``video`` float [B, T, 3, H, W]
 in [0, 255], ``tracks`` float [B, T, N, 2] in pixels, ``visibility`` bool [B, T, N] and ``queries``
@@ -18,6 +18,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_memopt.models import TrackerOutput, create_model
+from lightning_memopt.models.official import apply_pretrained
 from lightning_memopt.tasks.lr_schedule import step_scheduler, warmup_decay
 
 DELTA_THRESHOLDS = (1.0, 2.0, 4.0, 8.0, 16.0)  # pixels, at a 256 × 256 scale as in TAP-Vid
@@ -168,9 +169,13 @@ class TrackingModule(LightningModule):
 
     Args:
         backbone: a tracker preset from :func:`lightning_memopt.models.list_models` (``"cotracker2"``,
-            ``"cotracker3"``, ``"cotracker2_tiny"``, ``"cotracker3_tiny"``).
+            ``"cotracker3"``, ``"cotracker3_offline"`` (one window of the whole clip), ``"cotracker2_tiny"``,
+            ``"cotracker3_tiny"``, ``"cotracker3_offline_tiny"``).
         backbone_options: keyword overrides for the preset (``window_len``, ``iters``, ``corr_radius``,
             ``corr_levels``, ``model_resolution``, ``attn_impl`` …).
+        pretrained: an official checkpoint file of the whole network, loaded after construction
+            (see :func:`lightning_memopt.models.official.load_pretrained`).
+        pretrained_backbone: an official backbone-only checkpoint file (Sapiens MAE pre-training).
         gamma: discount of earlier refinement iterations, in (0, 1].
         huber_delta: Huber threshold of the track loss, in pixels.
         visibility_weight: weight of the visibility loss.
@@ -200,6 +205,8 @@ class TrackingModule(LightningModule):
         self,
         backbone: str = "cotracker2",
         backbone_options: Mapping[str, Any] | None = None,
+        pretrained: str | None = None,
+        pretrained_backbone: str | None = None,
         gamma: float = 0.8,
         huber_delta: float = 6.0,
         visibility_weight: float = 1.0,
@@ -225,6 +232,7 @@ class TrackingModule(LightningModule):
         warmup_decay(total_steps=warmup_steps + 1, warmup_steps=warmup_steps, schedule=schedule, power=power)
         self.save_hyperparameters()
         self.backbone = create_model(backbone, **dict(backbone_options or {}))
+        apply_pretrained(self.backbone, pretrained, pretrained_backbone)
 
     @override
     def forward(self, video: Tensor, queries: Tensor) -> TrackerOutput:

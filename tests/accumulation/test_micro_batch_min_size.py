@@ -161,8 +161,10 @@ def test_when_two_samples_do_not_fit_the_error_says_so():
 
 def test_an_odd_piece_that_cannot_be_cut_into_pieces_of_two():
     model = NormNet(limit=2)
-    with pytest.raises(SampleOutOfMemoryError, match="a micro-batch of 3 samples does not fit, and it cannot be cut "
-                       "into micro-batches of at least 2 samples") as info:
+    with pytest.raises(
+        SampleOutOfMemoryError,
+        match="a micro-batch of 3 samples does not fit, and it cannot be cut into micro-batches of at least 2 samples",
+    ) as info:
         MicroBatchRunner(model, min_size=2).run(loss_fn(model), batch_of(3), None, backward=torch.Tensor.backward)
     assert info.value.size == 3
 
@@ -173,8 +175,10 @@ def test_an_error_on_one_sample_while_redoing_after_out_of_memory_teaches_the_mi
     with pytest.raises(SampleOutOfMemoryError) as info:
         runner.run(loss_fn(model), BATCH, 4, backward=torch.Tensor.backward)
     message = str(info.value)
-    assert "a micro-batch of 2 samples, the smallest the model takes (a micro-batch of 1 sample raised ValueError: " \
-           "Expected more than 1 value per channel when training), does not fit (OutOfMemoryError: " in message
+    assert (
+        "a micro-batch of 2 samples, the smallest the model takes (a micro-batch of 1 sample raised ValueError: "
+        "Expected more than 1 value per channel when training), does not fit (OutOfMemoryError: " in message
+    )
     assert isinstance(info.value.__cause__, ValueError) and info.value.size == 2
     assert runner.min_size == runner.learned_min_size == 2
     assert model.seen.item() == 0  # every piece failed, and each put the buffers back

@@ -520,8 +520,10 @@ def test_a_face_model_whose_two_samples_do_not_fit_reports_their_profile():
     with pytest.raises(SampleOutOfMemoryError) as info, SimulatedDevice(640 * 2**10):
         trainer.fit(module, data)
     message = str(info.value)
-    assert "a micro-batch of 2 samples, the smallest the model takes (its BatchNorm1d, BatchNorm2d layers need at " \
-           "least 2 samples in training), does not fit" in message
+    assert (
+        "a micro-batch of 2 samples, the smallest the model takes (its BatchNorm1d, BatchNorm2d layers need at "
+        "least 2 samples in training), does not fit" in message
+    )
     assert "A training step on those 2 samples, predicted in fake mode" in message
     assert info.value.profile is not None and info.value.profile.peak_bytes > 0
     assert info.value.size == 2 and info.value.sample[0].shape == (2, 3, 32, 32)

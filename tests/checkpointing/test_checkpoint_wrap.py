@@ -194,11 +194,13 @@ def test_torch_compile_traces_checkpointed_blocks_into_one_graph():
     torch.manual_seed(0)
     model = create_model("sapiens_tiny")
     x = torch.randn(2, 3, 64, 48)
+    torch.manual_seed(1)  # the head's dropout draws from here
     expected = model(x).square().mean()
     expected.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     apply_activation_checkpointing(model, "selective")
+    torch.manual_seed(1)
     loss = torch.compile(model, backend=backend)(x).square().mean()
     loss.backward()
     assert len(graphs) == 1

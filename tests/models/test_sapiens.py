@@ -44,7 +44,7 @@ def test_presets_have_the_published_architecture(name):
     assert net.image_size == (1024, 768) and net.backbone.patch_size == 16
 
 
-def test_normal_head_has_three_deconvs_then_1x1_convs_to_three_unit_channels():
+def test_normal_head_has_three_deconvs_then_1x1_convs_then_dropout_and_a_conv_to_three_channels():
     with torch.device("meta"):
         head = create_model("sapiens_1b").head
     deconvs = [m for m in head.upsample.modules() if isinstance(m, nn.ConvTranspose2d)]
@@ -54,6 +54,7 @@ def test_normal_head_has_three_deconvs_then_1x1_convs_to_three_unit_channels():
     convs = [m for m in head.refine.modules() if isinstance(m, nn.Conv2d)]
     assert [(c.out_channels, c.kernel_size) for c in convs] == [(768, (1, 1))] * 3
     assert (head.predict.in_channels, head.predict.out_channels, head.predict.kernel_size) == (768, 3, (1, 1))
+    assert type(head.dropout) is nn.Dropout2d and head.dropout.p == 0.1 and not head.normalize_output
 
 
 def test_sapiens_2b_maps_1024x768_to_a_512x384_normal_map_on_the_meta_device():
@@ -73,15 +74,59 @@ def test_patch_32_quarters_the_tokens_and_the_output():
     assert normals.shape == (1, 3, 256, 192)
 
 
-def test_tiny_variant_gives_unit_normals_and_trains_on_the_cpu():
+def test_tiny_variant_gives_raw_normals_and_trains_on_the_cpu():
     torch.manual_seed(0)
     net = create_model("sapiens_tiny")
     assert isinstance(net, SapiensNormal) and net.image_size == (64, 48)
     normals = net(torch.randn(2, 3, 64, 48))
     assert normals.shape == (2, 3, 32, 24)
-    torch.testing.assert_close(normals.norm(dim=1), torch.ones(2, 32, 24))
+    assert not torch.allclose(normals.norm(dim=1), torch.ones(2, 32, 24))  # raw, like the official head
     normals[:, 2].sum().backward()
     assert all(p.grad is not None for p in net.parameters())
+
+
+def test_normalize_output_keeps_the_unit_normals_of_the_earlier_head():
+    torch.manual_seed(0)
+    images = torch.randn(2, 3, 64, 48)
+    raw = create_model("sapiens_tiny").eval()
+    unit = create_model("sapiens_tiny", normalize_output=True).eval()
+    unit.load_state_dict(raw.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(unit(images), torch.nn.functional.normalize(raw(images), dim=1))
+        torch.testing.assert_close(unit(images).norm(dim=1), torch.ones(2, 32, 24))
+
+
+def _predict_input(head, features):
+    """The input of the head's final conv in one forward, and the refine stages' output it comes from."""
+    seen = {}
+    hooks = [
+        head.refine.register_forward_hook(lambda module, args, output: seen.__setitem__("refined", output)),
+        head.predict.register_forward_pre_hook(lambda module, args: seen.__setitem__("predict", args[0])),
+    ]
+    head(features)
+    for hook in hooks:
+        hook.remove()
+    return seen["predict"], seen["refined"]
+
+
+def test_head_dropout_zeroes_whole_channels_before_the_final_conv_in_training_only():
+    torch.manual_seed(0)
+    head = create_model("sapiens_tiny", head_dropout=0.5).head
+    features = torch.randn(4, 64, 4, 3)
+    predict_input, refined = _predict_input(head.train(), features)
+    dropped = predict_input.flatten(2).eq(0).all(dim=2)  # [B, C]: whole channels zeroed
+    assert 0 < int(dropped.sum()) < dropped.numel()
+    torch.testing.assert_close(predict_input, refined * (~dropped)[..., None, None] * 2.0)  # kept: scaled by 1/(1-p)
+    head.eval()
+    predict_input, refined = _predict_input(head, features)
+    assert torch.equal(predict_input, refined)
+    assert torch.equal(head(features), head(features))
+
+
+def test_head_dropout_zero_is_the_identity_in_training_too():
+    head = create_model("sapiens_tiny", head_dropout=0.0).head.train()
+    predict_input, refined = _predict_input(head, torch.randn(2, 64, 4, 3))
+    assert torch.equal(predict_input, refined)
 
 
 def test_presets_are_registered_and_take_overrides():
@@ -92,13 +137,26 @@ def test_presets_are_registered_and_take_overrides():
     assert sum(isinstance(m, nn.Conv2d) for m in net.head.refine.modules()) == 1
 
 
-def test_head_upscales_8x_and_refuses_empty_channels():
+def test_head_upscales_8x_and_refuses_empty_channels_and_bad_dropout():
     head = NormalHead(8, deconv_channels=(4, 4, 4), conv_channels=(4,))
     assert head.upscale == 8 and head(torch.randn(1, 8, 2, 3)).shape == (1, 3, 16, 24)
     with pytest.raises(ValueError, match=r"channel counts must be positive.*`deconv_channels`=\[4, 0\]"):
         NormalHead(8, deconv_channels=(4, 0))
+    with pytest.raises(ValueError, match=r"`dropout`=1.0 must be in \[0, 1\)"):
+        create_model("sapiens_tiny", head_dropout=1.0)
 
 
 def test_bad_image_size_is_refused():
     with pytest.raises(ValueError, match=r"`image_size`=\(64,\) must be two positive integers"):
         create_model("sapiens_tiny", image_size=(64,))
+
+
+def test_a_state_dict_on_the_token_grid_loads_into_a_fresh_preset_which_adopts_the_grid():
+    torch.manual_seed(0)
+    trained = create_model("sapiens_tiny").eval()
+    trained.backbone.set_position_grid(trained.backbone.token_grid(*trained.image_size))
+    fresh = create_model("sapiens_tiny").eval()
+    fresh.load_state_dict(trained.state_dict())  # what resuming a fit that started from an official file does
+    assert fresh.backbone.position_grid == (4, 3) == trained.backbone.position_grid
+    images = torch.randn(1, 3, 64, 48)
+    assert torch.equal(fresh(images), trained(images))

@@ -58,6 +58,41 @@ def test_a_model_with_the_64x64_pretraining_table_runs_on_a_tiny_input():
     assert vit(torch.randn(2, 3, 64, 48)).shape == (2, 32, 4, 3)
 
 
+def test_set_position_grid_resizes_the_table_once_and_the_forward_is_unchanged():
+    torch.manual_seed(0)
+    vit = _vit().eval()
+    images = torch.randn(2, 3, 64, 48)
+    with torch.no_grad():
+        before = vit(images)
+    table = vit.pos_embed.detach().clone()
+    vit.pos_embed.requires_grad_(False)
+    vit.set_position_grid(vit.token_grid(64, 48))
+    assert vit.position_grid == (4, 3) and vit.pos_embed.shape == (1, 12, 32)
+    assert isinstance(vit.pos_embed, torch.nn.Parameter) and not vit.pos_embed.requires_grad
+    assert torch.equal(vit.pos_embed, resize_position_table(table, (4, 4), (4, 3)))
+    assert vit.pos_embed.is_contiguous() and vit.state_dict()["pos_embed"].shape == (1, 12, 32)
+    with torch.no_grad():
+        assert torch.equal(vit(images), before)  # the same table, resized once instead of at every forward
+
+
+def test_set_position_grid_keeps_the_dtype_and_ignores_the_current_grid():
+    vit = _vit().to(torch.float64)
+    parameter = vit.pos_embed
+    vit.set_position_grid((4, 4))
+    assert vit.pos_embed is parameter
+    vit.set_position_grid((2, 5))
+    assert vit.pos_embed.dtype == torch.float64 and vit.pos_embed.requires_grad and vit.position_grid == (2, 5)
+    with pytest.raises(ValueError, match=r"`grid`=\(0, 3\) must be two positive integers"):
+        vit.set_position_grid((0, 3))
+
+
+def test_set_position_grid_works_on_the_meta_device():
+    with torch.device("meta"):
+        vit = _vit(position_grid=(64, 64))
+    vit.set_position_grid((64, 48))
+    assert vit.pos_embed.device.type == "meta" and vit.pos_embed.shape == (1, 3072, 32)
+
+
 def test_forward_adds_the_resized_table_and_ends_with_the_final_norm():
     vit = _vit().eval()
     images = torch.randn(1, 3, 64, 48)

@@ -68,12 +68,28 @@ def test_loss_ignores_invalid_pixels_even_when_their_target_is_nan():
     assert empty.item() == 0.0
 
 
-def test_predictions_are_upsampled_bilinearly_to_the_label_size_then_renormalised():
-    prediction = F.normalize(torch.randn(2, 3, 4, 3), dim=1)
+def test_predictions_are_upsampled_bilinearly_to_the_label_size_then_normalised():
+    prediction = 3.0 * torch.randn(2, 3, 4, 3)  # raw, like the head's output
     resized = resize_normals(prediction, (8, 6))
     expected = F.normalize(F.interpolate(prediction, size=(8, 6), mode="bilinear", align_corners=False), dim=1)
     torch.testing.assert_close(resized, expected)
     torch.testing.assert_close(resized.norm(dim=1), torch.ones(2, 8, 6))
+
+
+def test_forward_and_the_loss_normalise_the_raw_network_output():
+    torch.manual_seed(0)
+    module = _module().eval()
+    images = torch.randn(2, 3, 64, 48)
+    with torch.no_grad():
+        raw = module.network(images)
+        normals = module(images)
+        prediction, _, _, _ = module.loss_terms(
+            {"image": images, "normal": F.normalize(torch.randn(2, 3, 64, 48), dim=1), "mask": _all_valid(images)}
+        )
+    assert not torch.allclose(raw.norm(dim=1), torch.ones(2, 32, 24))
+    torch.testing.assert_close(normals, F.normalize(raw, dim=1))
+    torch.testing.assert_close(prediction, resize_normals(raw, (64, 48)))
+    torch.testing.assert_close(prediction.norm(dim=1), torch.ones(2, 64, 48))
 
 
 def test_angular_error_in_degrees():

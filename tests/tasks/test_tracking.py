@@ -106,7 +106,7 @@ def test_metrics_follow_tap_vid_at_256_scale():
     assert metrics["occlusion_acc"].item() == pytest.approx(3 / 4)  # (1, 1) is wrongly hidden
 
 
-@pytest.mark.parametrize("backbone", ["cotracker2_tiny", "cotracker3_tiny"])
+@pytest.mark.parametrize("backbone", ["cotracker2_tiny", "cotracker3_tiny", "cotracker3_offline_tiny"])
 def test_one_optimisation_step_on_cpu(tmp_path, backbone):
     module = TrackingModule(backbone=backbone, backbone_options={"iters": 2})
     before = [p.detach().clone() for p in module.parameters()]
@@ -116,7 +116,7 @@ def test_one_optimisation_step_on_cpu(tmp_path, backbone):
     changed = [not torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True)]
     assert sum(changed) > 0.9 * len(changed)
     expected_parts = {"train/track_loss", "train/visibility_loss"}
-    if backbone == "cotracker3_tiny":
+    if backbone.startswith("cotracker3"):
         expected_parts.add("train/confidence_loss")
     assert expected_parts <= set(trainer.callback_metrics)
 
@@ -179,7 +179,9 @@ def test_bad_arguments_are_refused(kwargs, message):
         TrackingModule(**options)
 
 
-@pytest.mark.parametrize(("model", "params_m"), [("cotracker2", 45.5), ("cotracker3", 25.4)])
+@pytest.mark.parametrize(
+    ("model", "params_m"), [("cotracker2", 45.5), ("cotracker3", 25.4), ("cotracker3_offline", 25.4)]
+)
 def test_model_configs_build_the_published_presets(compose_train, model, params_m):
     cfg = compose_train(f"model={model}", "data=synthetic_tracking")
     with torch.device("meta"):

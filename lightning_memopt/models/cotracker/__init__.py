@@ -1,8 +1,22 @@
-"""CoTracker2 and CoTracker3 (online) point trackers: fnet, correlation, update transformer, sliding windows."""
+"""CoTracker2 and CoTracker3 (online, offline) point trackers: fnet, correlation, update transformer, windows."""
 
 from lightning_memopt.models.cotracker import presets as _presets  # noqa: F401  (registers the presets)
-from lightning_memopt.models.cotracker.cotracker import CoTracker, CoTracker2, CoTracker3, TrackerOutput
+from lightning_memopt.models.cotracker.cotracker import (
+    CoTracker,
+    CoTracker2,
+    CoTracker3,
+    CoTracker3Offline,
+    TrackerOutput,
+)
 from lightning_memopt.models.cotracker.fnet import BasicEncoder
 from lightning_memopt.models.cotracker.updateformer import UpdateFormer
 
-__all__ = ["BasicEncoder", "CoTracker", "CoTracker2", "CoTracker3", "TrackerOutput", "UpdateFormer"]
+__all__ = [
+    "BasicEncoder",
+    "CoTracker",
+    "CoTracker2",
+    "CoTracker3",
+    "CoTracker3Offline",
+    "TrackerOutput",
+    "UpdateFormer",
+]

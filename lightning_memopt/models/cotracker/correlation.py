@@ -1,7 +1,7 @@
 """Correlation features of CoTracker: a full volume per pyramid level (v2) or a local 4-D one (v3).
 
-Both sample a ``(2r+1)²`` window around each track's current position at each level of a feature
-pyramid (level ``l`` is average-pooled ``2^l`` times, positions divided by ``2^l``).
+Both sample a ``(2r+1)²`` window (x outer, y inner) around each track's current position at each level
+of a feature pyramid (level ``l`` is average-pooled ``2^l`` times, positions divided by ``2^l``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_memopt.models.cotracker.sampling import sample_neighbourhoods
+from lightning_memopt.models.cotracker.sampling import check_padding_mode, sample_neighbourhoods
 
 
 def check_levels_and_radius(levels: int, radius: int) -> None:
@@ -50,9 +50,10 @@ class FullCorrelation(nn.Module):
     Args:
         levels: pyramid levels (4).
         radius: window radius ``r`` (3).
+        padding_mode: what window points outside the volume read: ``"border"`` (official) or ``"zeros"``.
 
     Raises:
-        ValueError: ``levels`` < 1 or ``radius`` < 0.
+        ValueError: ``levels`` < 1, ``radius`` < 0 or an unknown ``padding_mode``.
 
     Example::
 
@@ -62,11 +63,12 @@ class FullCorrelation(nn.Module):
         torch.Size([1, 3, 5, 18])
     """
 
-    def __init__(self, levels: int = 4, radius: int = 3) -> None:
+    def __init__(self, levels: int = 4, radius: int = 3, padding_mode: str = "border") -> None:
         super().__init__()
         check_levels_and_radius(levels, radius)
         self.levels = levels
         self.radius = radius
+        self.padding_mode = check_padding_mode(padding_mode)
         self.output_dim = levels * (2 * radius + 1) ** 2
 
     def forward(self, pyramid: list[Tensor], track_feat: Tensor, coords: Tensor) -> Tensor:
@@ -76,7 +78,7 @@ class FullCorrelation(nn.Module):
         for level, fmaps in enumerate(pyramid):
             volume = torch.einsum("bsnc,bschw->bsnhw", track_feat, fmaps) * channels**-0.5
             centres = coords.reshape(-1, 1, 2) / 2**level
-            window = sample_neighbourhoods(volume.flatten(0, 2)[:, None], centres, self.radius)  # BSN 1 P 1
+            window = sample_neighbourhoods(volume.flatten(0, 2)[:, None], centres, self.radius, self.padding_mode)
             sampled.append(window.reshape(batch, frames, tracks, -1))
         return torch.cat(sampled, dim=-1)
 
@@ -91,9 +93,10 @@ class LocalCorrelation(nn.Module):
         radius: window radius ``r`` (3).
         hidden_dim: MLP hidden width (384).
         output_dim: embedding width per level (256).
+        padding_mode: what window points outside the feature map read: ``"border"`` (official) or ``"zeros"``.
 
     Raises:
-        ValueError: ``levels`` < 1 or ``radius`` < 0.
+        ValueError: ``levels`` < 1, ``radius`` < 0 or an unknown ``padding_mode``.
 
     Example::
 
@@ -104,11 +107,19 @@ class LocalCorrelation(nn.Module):
         torch.Size([1, 3, 5, 8])
     """
 
-    def __init__(self, levels: int = 4, radius: int = 3, hidden_dim: int = 384, output_dim: int = 256) -> None:
+    def __init__(
+        self,
+        levels: int = 4,
+        radius: int = 3,
+        hidden_dim: int = 384,
+        output_dim: int = 256,
+        padding_mode: str = "border",
+    ) -> None:
         super().__init__()
         check_levels_and_radius(levels, radius)
         self.levels = levels
         self.radius = radius
+        self.padding_mode = check_padding_mode(padding_mode)
         self.output_dim = levels * output_dim
         window = (2 * radius + 1) ** 2
         self.mlp = nn.Sequential(nn.Linear(window * window, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, output_dim))
@@ -118,7 +129,8 @@ class LocalCorrelation(nn.Module):
         batch, frames, tracks = coords.shape[:3]
         embedded = []
         for level, (fmaps, query_window) in enumerate(zip(pyramid, support, strict=True)):
-            window = sample_neighbourhoods(fmaps.flatten(0, 1), coords.flatten(0, 1) / 2**level, self.radius)
+            centres = coords.flatten(0, 1) / 2**level
+            window = sample_neighbourhoods(fmaps.flatten(0, 1), centres, self.radius, self.padding_mode)
             window = window.unflatten(0, (batch, frames))  # B S N P C
             volume = torch.einsum("bsnpc,bnqc->bsnpq", window, query_window)
             embedded.append(self.mlp(volume.reshape(batch, frames, tracks, -1)))

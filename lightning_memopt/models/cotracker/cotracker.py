@@ -1,12 +1,14 @@
-"""CoTracker2 and CoTracker3 (online): track points through a video by iterative refinement over sliding windows.
+"""CoTracker2, CoTracker3 (online) and CoTracker3 (offline): track points through a video by iterative refinement.
 
 Shared machinery (:class:`CoTracker`): the video is resized to ``model_resolution``, scaled to
 [-1, 1] and padded (last frame repeated) so that windows of ``window_len`` frames with stride
 ``window_len // 2`` cover it; the fnet turns every frame into stride-4 features; every window
 starts from the query positions, or, for tracks queried before the overlap with the previous
 window ends, from that window's last predictions; the update transformer then refines positions
-(and visibility / confidence) ``iters`` times. Within a window, the tracks not yet queried by its
-last frame are masked out of the space attention.
+(and visibility / confidence) ``iters`` times. Within a window, the features of the tracks not yet
+queried by its last frame are zero (CoTracker2 also masks them in the space attention). The
+offline CoTracker3 processes the whole clip as one window. Given the same weights, each preset
+computes what the official implementation (facebookresearch/co-tracker) computes.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from lightning_memopt.models.cotracker.correlation import FullCorrelation, Local
 from lightning_memopt.models.cotracker.embeddings import (
     flow_embedding,
     fourier_encoding,
+    grid_sincos_embedding_2d,
     sincos_embedding,
-    sincos_embedding_2d,
 )
 from lightning_memopt.models.cotracker.fnet import BasicEncoder
 from lightning_memopt.models.cotracker.sampling import sample_at_frames
@@ -98,10 +100,12 @@ class CoTracker(nn.Module):
     ``track_context`` and ``refine_window``.
 
     Args:
-        correlation: the correlation module (its ``levels`` sets the feature pyramid depth).
+        correlation: the correlation module (its ``levels`` sets the feature pyramid depth, its
+            ``padding_mode`` how every sampling treats points outside the maps).
         token_dim: width of the transformer input tokens.
         update_dim: width of the per-token update the transformer predicts.
-        window_len: frames per window (even, at least 2); windows move by half of it.
+        window_len: frames per window (even, at least 2); windows move by half of it. It is also the
+            length of the time-embedding table.
         iters: refinement iterations per window (default of ``forward``).
         model_resolution: ``(height, width)`` the video is resized to; multiples of ``stride``.
         attn_impl: ``"sdpa"`` or ``"math"`` attention.
@@ -193,9 +197,29 @@ class CoTracker(nn.Module):
         """
         raise NotImplementedError
 
-    def predict_update(self, tokens: Tensor, point_mask: Tensor) -> Tensor:
-        """The transformer's update of tokens [B, S, N, D]: attention per track over S, per frame over N."""
+    def predict_update(self, tokens: Tensor, point_mask: Tensor | None) -> Tensor:
+        """The transformer's update of tokens [B, S, N, D]: attention per track over S, per frame over N
+        (with the not-yet-queried points, those not in ``point_mask``, masked; None: no mask)."""
         return self.updateformer(tokens.transpose(1, 2), point_mask).transpose(1, 2)
+
+    def time_table(self, device: torch.device | None = None) -> Tensor:
+        """[window_len, token_dim] sinusoidal embedding of the frames 0 … window_len − 1 (the official ``time_emb``)."""
+        return sincos_embedding(torch.arange(self.window_len, device=device, dtype=torch.float32), self.token_dim)
+
+    def time_embedding(self, frames: int, device: torch.device) -> Tensor:
+        """[frames, token_dim]: the time table, linearly interpolated (``align_corners=False``) to ``frames`` rows
+        when that differs from ``window_len``."""
+        table = self.time_table(device)
+        if frames == self.window_len:
+            return table
+        return F.interpolate(table.T[None], size=frames, mode="linear", align_corners=False)[0].T
+
+    def window_plan(self, num_frames: int) -> tuple[int, int, tuple[int, ...]]:
+        """``(padded length, frames per window, window starts)`` for a clip of ``num_frames``: windows of
+        ``window_len`` every ``window_len // 2`` frames, the clip padded until they cover it."""
+        step = self.window_len // 2
+        padded_len = max(self.window_len, num_frames + (step - (num_frames - self.window_len) % step) % step)
+        return padded_len, self.window_len, tuple(range(0, padded_len - self.window_len + 1, step))
 
     def _input_to_model_scale(self, height: int, width: int, device: torch.device) -> Tensor:
         model_height, model_width = self.model_resolution
@@ -209,23 +233,23 @@ class CoTracker(nn.Module):
         frames = video.flatten(0, 1)
         if tuple(frames.shape[-2:]) != self.model_resolution:
             frames = F.interpolate(frames, size=self.model_resolution, mode="bilinear", align_corners=True)
-        frames = frames.unflatten(0, (batch, num_frames)) / 127.5 - 1.0
+        frames = frames.unflatten(0, (batch, num_frames)) / 255.0 * 2.0 - 1.0
         padding = frames[:, -1:].expand(-1, padded_len - num_frames, -1, -1, -1)
         return torch.cat([frames, padding], dim=1)
 
     def _initial_state(
-        self, query_coords: Tensor, start: int, query_frames: Tensor, previous: WindowState | None
+        self, query_coords: Tensor, start: int, query_frames: Tensor, window_len: int, previous: WindowState | None
     ) -> WindowState:
         """Query positions everywhere, except tracks queried before the overlap ends: the previous window's
         predictions over the overlap, the last one repeated."""
         batch, num_tracks = query_coords.shape[:2]
-        coords = query_coords[:, None].expand(batch, self.window_len, num_tracks, 2)
-        visibility = coords.new_full((batch, self.window_len, num_tracks), self.initial_visibility)
-        confidence = coords.new_zeros((batch, self.window_len, num_tracks))
+        coords = query_coords[:, None].expand(batch, window_len, num_tracks, 2)
+        visibility = coords.new_full((batch, window_len, num_tracks), self.initial_visibility)
+        confidence = coords.new_zeros((batch, window_len, num_tracks))
         if previous is None:
             return WindowState(coords, visibility, confidence)
-        step = self.window_len // 2
-        overlap = self.window_len - step
+        step = window_len // 2
+        overlap = window_len - step
         carried = query_frames < start + overlap  # B N
 
         def carry(initial: Tensor, predicted: Tensor) -> Tensor:
@@ -254,21 +278,19 @@ class CoTracker(nn.Module):
         if iters < 1:
             raise ValueError(f"`iters`={iters!r} must be at least 1")
         batch, num_frames, _, height, width = video.shape
-        step = self.window_len // 2
-        padded_len = max(self.window_len, num_frames + (step - (num_frames - self.window_len) % step) % step)
+        padded_len, window_len, starts = self.window_plan(num_frames)
         to_model = self._input_to_model_scale(height, width, video.device)
         frames = self._model_frames(video, padded_len)
         fmaps = self.fnet(frames.flatten(0, 1)).unflatten(0, (batch, padded_len))
         query_frames = queries[..., 0].round().long()
         query_coords = queries[..., 1:] * to_model / self.stride
         context = self.track_context(fmaps, query_frames, query_coords)
-        starts = tuple(range(0, padded_len - self.window_len + 1, step))
         predictions: list[WindowPrediction] = []
         previous: WindowState | None = None
         for start in starts:
-            state = self._initial_state(query_coords, start, query_frames, previous)
-            point_mask = query_frames < start + self.window_len
-            window = context._replace(pyramid=[level[:, start : start + self.window_len] for level in context.pyramid])
+            state = self._initial_state(query_coords, start, query_frames, window_len, previous)
+            point_mask = query_frames < start + window_len
+            window = context._replace(pyramid=[level[:, start : start + window_len] for level in context.pyramid])
             prediction = self.refine_window(window, start, state, point_mask, iters)
             predictions.append(prediction)
             last_confidence = state.confidence if prediction.confidence is None else prediction.confidence[-1]
@@ -280,7 +302,7 @@ class CoTracker(nn.Module):
         window_confidence = torch.stack(confidences) if confidences else None
 
         def stitch(per_window: Tensor) -> Tensor:  # [W, B, S, ...] -> [B, T, ...], each frame from its last window
-            return torch.cat([*per_window[:-1, :, :step], per_window[-1]], dim=1)[:, :num_frames]
+            return torch.cat([*per_window[:-1, :, : window_len // 2], per_window[-1]], dim=1)[:, :num_frames]
 
         return TrackerOutput(
             tracks=stitch(window_tracks[:, -1]),
@@ -297,20 +319,23 @@ class CoTracker(nn.Module):
 class CoTracker2(CoTracker):
     """CoTracker2: full correlation volumes, track features updated with the positions.
 
-    Tokens (456 at radius 3, 360 at radius 2): flow embedding (130) ‖ correlation
-    ``levels·(2r+1)²`` ‖ track features (``latent_dim``) ‖ (track mask, visibility); plus a
-    sinusoidal embedding of each track's position in the window's first frame and of the frame in
-    the window. The transformer predicts Δ positions and Δ features; visibility is read from the
-    refined features after the last iteration.
+    Tokens (456 at radius 3, 360 at radius 2): flow embedding (130, see
+    :func:`~lightning_memopt.models.cotracker.embeddings.flow_embedding`) ‖ correlation
+    ``levels·(2r+1)²`` ‖ track features (``latent_dim``) ‖ (track mask, visibility); plus the
+    sinusoidal table of the integer feature grid interpolated at each track's position in the
+    window's first frame, and the embedding of the frame in the window. The transformer predicts
+    Δ positions and Δ features; visibility is read from the refined features after the last
+    iteration. Points not yet queried by a window's last frame are masked in the space attention.
 
     Args:
         window_len: frames per window (8).
         corr_levels: correlation pyramid levels (4).
         corr_radius: correlation window radius (3).
         latent_dim: feature channels (128).
-        flow_embed_dim: sinusoidal channels per axis of the flow embedding (64).
+        flow_embed_dim: sinusoidal channels per axis of the flow embedding (64, even).
         time_depth: transformer time blocks (6).
         space_depth: transformer space blocks (6).
+        padding_mode: what samples outside the feature maps read: ``"border"`` (official) or ``"zeros"``.
         **options: the remaining arguments of :class:`CoTracker` (``iters``, ``model_resolution``,
             ``attn_impl``, ``hidden_dim`` …).
 
@@ -339,9 +364,12 @@ class CoTracker2(CoTracker):
         flow_embed_dim: int = 64,
         time_depth: int = 6,
         space_depth: int = 6,
+        padding_mode: str = "border",
         **options: object,
     ) -> None:
-        correlation = FullCorrelation(corr_levels, corr_radius)
+        if flow_embed_dim < 2 or flow_embed_dim % 2:
+            raise ValueError(f"`flow_embed_dim`={flow_embed_dim!r} must be even and at least 2")
+        correlation = FullCorrelation(corr_levels, corr_radius, padding_mode)
         token_dim = (2 + 2 * flow_embed_dim) + correlation.output_dim + latent_dim + 2
         super().__init__(
             correlation,
@@ -359,7 +387,7 @@ class CoTracker2(CoTracker):
         self.visibility_head = nn.Linear(latent_dim, 1)
 
     def track_context(self, fmaps: Tensor, query_frames: Tensor, query_coords: Tensor) -> TrackContext:
-        query_feat = sample_at_frames(fmaps, query_frames, query_coords)
+        query_feat = sample_at_frames(fmaps, query_frames, query_coords, padding_mode=self.correlation.padding_mode)
         return TrackContext(feature_pyramid(fmaps, self.correlation.levels), [query_feat], query_frames)
 
     def refine_window(
@@ -373,8 +401,9 @@ class CoTracker2(CoTracker):
         first_new_frame = 0 if start == 0 else start + frames - frames // 2
         track_mask = (query_frames[:, None, :] <= frame_index[:, None]) & (frame_index[:, None] >= first_new_frame)
         flags = torch.stack([track_mask.to(state.visibility.dtype), state.visibility], dim=-1)
-        position = sincos_embedding_2d(state.coords[:, 0], self.token_dim)[:, None]  # B 1 N D
-        time = sincos_embedding(frame_index - start, self.token_dim)[:, None]  # S 1 D
+        grid_size = (self.model_resolution[0] // self.stride, self.model_resolution[1] // self.stride)
+        position = grid_sincos_embedding_2d(state.coords[:, 0], self.token_dim, grid_size)[:, None]  # B 1 N D
+        time = self.time_embedding(frames, frame_index.device)[:, None]  # S 1 D
         coords = state.coords
         all_coords = []
         for _ in range(iters):
@@ -396,8 +425,10 @@ class CoTracker3(CoTracker):
 
     Tokens (1110 by default): visibility ‖ confidence ‖ correlation embeddings ``levels × 256`` ‖ a
     Fourier encoding (84) of the forward and backward motion to the neighbouring frames; plus a
-    sinusoidal embedding of the frame in the window. Features are L2-normalised per pixel. The
-    transformer predicts Δ positions, Δ visibility and Δ confidence at every iteration.
+    sinusoidal embedding of the frame in the window. Features are L2-normalised per pixel
+    (``f / √max(Σf², 1e-12)``). The transformer predicts Δ positions, Δ visibility and Δ confidence
+    at every iteration; as in the official model, its space attention sees every point (the
+    not-yet-queried ones have zero features, but their tokens still take part).
 
     Args:
         window_len: frames per window (16).
@@ -407,6 +438,10 @@ class CoTracker3(CoTracker):
         corr_embed_dim: correlation embedding per level (256).
         time_depth: transformer time blocks (3).
         space_depth: transformer space blocks (3).
+        padding_mode: what samples outside the feature maps read: ``"border"`` (official) or ``"zeros"``.
+        mask_unqueried: mask the points not yet queried by a window's last frame in the space attention,
+            as CoTracker2 does, so that they cannot influence the other tracks (not in the official
+            CoTracker3; False by default).
         **options: the remaining arguments of :class:`CoTracker`.
 
     Raises:
@@ -434,9 +469,11 @@ class CoTracker3(CoTracker):
         corr_embed_dim: int = 256,
         time_depth: int = 3,
         space_depth: int = 3,
+        padding_mode: str = "border",
+        mask_unqueried: bool = False,
         **options: object,
     ) -> None:
-        correlation = LocalCorrelation(corr_levels, corr_radius, corr_hidden_dim, corr_embed_dim)
+        correlation = LocalCorrelation(corr_levels, corr_radius, corr_hidden_dim, corr_embed_dim, padding_mode)
         token_dim = 2 + correlation.output_dim + 4 * (1 + 2 * self.motion_degrees)
         super().__init__(
             correlation,
@@ -447,12 +484,14 @@ class CoTracker3(CoTracker):
             space_depth=space_depth,
             **options,  # type: ignore[arg-type]
         )
+        self.mask_unqueried = mask_unqueried
 
     def track_context(self, fmaps: Tensor, query_frames: Tensor, query_coords: Tensor) -> TrackContext:
-        pyramid = feature_pyramid(F.normalize(fmaps, dim=2, eps=1e-12), self.correlation.levels)
-        radius = self.correlation.radius
+        unit = fmaps / fmaps.square().sum(dim=2, keepdim=True).clamp(min=1e-12).sqrt()
+        pyramid = feature_pyramid(unit, self.correlation.levels)
+        radius, padding_mode = self.correlation.radius, self.correlation.padding_mode
         windows = [
-            sample_at_frames(level, query_frames, query_coords / 2**index, radius)
+            sample_at_frames(level, query_frames, query_coords / 2**index, radius, padding_mode)
             for index, level in enumerate(pyramid)
         ]
         return TrackContext(pyramid, windows, query_frames)
@@ -463,7 +502,7 @@ class CoTracker3(CoTracker):
         frames = state.coords.shape[1]
         support = [window * point_mask[:, :, None, None] for window in context.query_features]
         device = state.coords.device
-        time = sincos_embedding(torch.arange(frames, device=device), self.token_dim)[:, None]  # S 1 D
+        time = self.time_embedding(frames, device)[:, None]  # S 1 D
         feature_size = torch.tensor(self.model_resolution[::-1], device=device) / self.stride
         coords, visibility, confidence = state
         all_coords, all_visibility, all_confidence = [], [], []
@@ -475,7 +514,7 @@ class CoTracker3(CoTracker):
             motion = torch.cat([forward_motion, backward_motion], dim=-1) / feature_size.repeat(2)
             motion_code = fourier_encoding(motion, 0, self.motion_degrees)
             tokens = torch.cat([visibility[..., None], confidence[..., None], corr, motion_code], dim=-1) + time
-            delta = self.predict_update(tokens, point_mask)
+            delta = self.predict_update(tokens, point_mask if self.mask_unqueried else None)
             coords = coords + delta[..., :2]
             visibility = visibility + delta[..., 2]
             confidence = confidence + delta[..., 3]
@@ -483,3 +522,37 @@ class CoTracker3(CoTracker):
             all_visibility.append(visibility)
             all_confidence.append(confidence)
         return WindowPrediction(torch.stack(all_coords), torch.stack(all_visibility), torch.stack(all_confidence))
+
+
+class CoTracker3Offline(CoTracker3):
+    """CoTracker3 (offline): the whole clip in one pass, with the parameters of the online CoTracker3.
+
+    No sliding windows, no padding and no masks: every frame is refined at once and every track
+    starts from its query position with features taken at its query frame, whatever that frame.
+    ``window_len`` (60) is the length of the time-embedding table, linearly interpolated to the
+    clip's length. The output is one "window" of ``T`` frames starting at frame 0.
+
+    Args:
+        window_len: length of the time-embedding table (60).
+        **options: the arguments of :class:`CoTracker3`.
+
+    Raises:
+        ValueError: for an argument out of range.
+
+    Example::
+
+        >>> tracker = CoTracker3Offline(window_len=4, corr_levels=2, corr_radius=1, corr_hidden_dim=16,
+        ...                             corr_embed_dim=8, latent_dim=16, hidden_dim=16, num_heads=2, time_depth=1,
+        ...                             space_depth=1, num_virtual_tracks=2, fnet_widths=(8, 8, 16, 16),
+        ...                             fnet_hidden_dim=16, model_resolution=(32, 32), iters=2)
+        >>> out = tracker(torch.rand(1, 7, 3, 32, 32) * 255, torch.tensor([[[5.0, 5.0, 5.0]]]))
+        >>> out.tracks.shape, out.window_tracks.shape, out.window_starts
+        (torch.Size([1, 7, 1, 2]), torch.Size([1, 2, 1, 7, 1, 2]), (0,))
+    """
+
+    def __init__(self, window_len: int = 60, **options: object) -> None:
+        super().__init__(window_len=window_len, **options)  # type: ignore[arg-type]
+
+    def window_plan(self, num_frames: int) -> tuple[int, int, tuple[int, ...]]:
+        """One window of the whole clip, unpadded."""
+        return num_frames, num_frames, (0,)

@@ -1,13 +1,13 @@
-"""Registered CoTracker presets: the published CoTracker2 / CoTracker3 (online) and tiny test variants."""
+"""Registered CoTracker presets: the published CoTracker2 / CoTracker3 (online, offline) and tiny test variants."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_memopt.models.cotracker.cotracker import CoTracker2, CoTracker3
+from lightning_memopt.models.cotracker.cotracker import CoTracker2, CoTracker3, CoTracker3Offline
 from lightning_memopt.models.registry import register_model
 
-# Shared by both tiny variants: a tracker of about 150 k parameters on 64×64 clips that trains a step
+# Shared by the tiny variants: a tracker of about 150 k parameters on 64×64 clips that trains a step
 # on CPU in a fraction of a second.
 _TINY: dict[str, Any] = {
     "window_len": 4,
@@ -56,6 +56,21 @@ def cotracker3(**overrides: Any) -> CoTracker3:
     return CoTracker3(**overrides)
 
 
+@register_model("cotracker3_offline")
+def cotracker3_offline(**overrides: Any) -> CoTracker3Offline:
+    """CoTracker3 (offline): the parameters of CoTracker3, the whole clip in one pass, a 60-frame time table.
+
+    Example::
+
+        >>> import torch
+        >>> with torch.device("meta"):
+        ...     net = cotracker3_offline()
+        >>> net.window_len, sum(p.numel() for p in net.parameters())
+        (60, 25385700)
+    """
+    return CoTracker3Offline(**overrides)
+
+
 @register_model("cotracker2_tiny")
 def cotracker2_tiny(**overrides: Any) -> CoTracker2:
     """A tiny CoTracker2 on 64×64 clips (window 4, 2 iterations, width 32, depth 1/1): for tests."""
@@ -66,3 +81,9 @@ def cotracker2_tiny(**overrides: Any) -> CoTracker2:
 def cotracker3_tiny(**overrides: Any) -> CoTracker3:
     """A tiny CoTracker3 on 64×64 clips (window 4, 2 iterations, width 32, depth 1/1): for tests."""
     return CoTracker3(**{**_TINY, "corr_hidden_dim": 32, "corr_embed_dim": 16, **overrides})
+
+
+@register_model("cotracker3_offline_tiny")
+def cotracker3_offline_tiny(**overrides: Any) -> CoTracker3Offline:
+    """A tiny offline CoTracker3 on 64×64 clips (a 4-frame time table, 2 iterations, width 32): for tests."""
+    return CoTracker3Offline(**{**_TINY, "corr_hidden_dim": 32, "corr_embed_dim": 16, **overrides})

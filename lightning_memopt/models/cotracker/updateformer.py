@@ -9,17 +9,26 @@ from torch import Tensor, nn
 from lightning_memopt.models.structure import AttentionSwitch, MemoryStructure, check_attn_impl
 
 
-def attention(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None, attn_impl: str = "sdpa") -> Tensor:
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_mask: Tensor | None,
+    attn_impl: str = "sdpa",
+    query_mask: Tensor | None = None,
+) -> Tensor:
     """Scaled dot-product attention, through PyTorch's fused kernel or materialised ("math").
 
-    A query whose keys are all masked attends to every key instead (uniformly when the scores are
-    equal), so no row turns into NaN.
+    A query masked out by ``query_mask``, or whose keys are all masked by ``key_mask``, attends
+    uniformly (its output is the mean of the values it may attend to, of all of them when none is
+    allowed), as in the official CoTracker, whose huge negative bias makes all such scores equal.
 
     Args:
         query: [M, heads, L, d]; key, value: [M, heads, K, d].
         key_mask: [M, K] bool, True where a key may be attended to, or None for all.
         attn_impl: ``"sdpa"`` (``F.scaled_dot_product_attention``) or ``"math"``
             (``softmax(q·kᵀ·scale + mask) @ v``).
+        query_mask: [M, L] bool, False where a query attends uniformly, or None.
 
     Example::
 
@@ -27,11 +36,17 @@ def attention(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None
         >>> mask = torch.tensor([[True, False, True, True, False], [False] * 5])
         >>> torch.allclose(attention(q, k, v, mask, "sdpa"), attention(q, k, v, mask, "math"), atol=1e-6)
         True
+        >>> torch.allclose(attention(q, k, v, mask)[1], v[1].mean(dim=-2, keepdim=True).expand(1, 3, 4), atol=1e-6)
+        True
     """
+    uniform = None if query_mask is None else ~query_mask[:, None, :, None]  # M 1 L 1
     mask = None
     if key_mask is not None:
-        key_mask = key_mask | ~key_mask.any(dim=-1, keepdim=True)
-        mask = key_mask[:, None, None, :]
+        any_key = key_mask.any(dim=-1, keepdim=True)
+        mask = (key_mask | ~any_key)[:, None, None, :]
+        uniform = ~any_key[:, :, None, None] if uniform is None else uniform | ~any_key[:, :, None, None]
+    if uniform is not None:
+        query = query.masked_fill(uniform, 0.0)  # every score 0: the plain mean of the values
     if attn_impl == "sdpa":
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
     scores = query @ key.transpose(-2, -1) * query.shape[-1] ** -0.5
@@ -56,11 +71,12 @@ class Attention(nn.Module):
     def _split_heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # M L (h d) -> M h L d
 
-    def forward(self, x: Tensor, context: Tensor, key_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, context: Tensor, key_mask: Tensor | None = None, query_mask: Tensor | None = None
+    ) -> Tensor:
         key, value = self.to_kv(context).chunk(2, dim=-1)
-        out = attention(
-            self._split_heads(self.to_q(x)), self._split_heads(key), self._split_heads(value), key_mask, self.attn_impl
-        )
+        query, key, value = self._split_heads(self.to_q(x)), self._split_heads(key), self._split_heads(value)
+        out = attention(query, key, value, key_mask, self.attn_impl, query_mask)
         return self.to_out(out.transpose(1, 2).flatten(-2))
 
     def memory_structure(self) -> MemoryStructure:
@@ -99,10 +115,16 @@ class AttentionBlock(nn.Module):
         hidden = int(dim * mlp_ratio)
         self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, dim))
 
-    def forward(self, x: Tensor, context: Tensor | None = None, key_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        query_mask: Tensor | None = None,
+    ) -> Tensor:
         normed = self.norm1(x)
         context = normed if self.norm_context is None or context is None else self.norm_context(context)
-        x = x + self.attn(normed, context, key_mask)
+        x = x + self.attn(normed, context, key_mask, query_mask)
         return x + self.mlp(self.norm2(x))
 
 
@@ -111,10 +133,11 @@ class UpdateFormer(nn.Module):
 
     Tokens are ``[B, N, S, input_dim]`` (N tracks, S frames). Each time block attends over the S
     frames of every track (real and virtual); after every ``time_depth // space_depth``-th time
-    block a space block runs per frame: the virtual tracks attend to the points
-    (virtual←point, masked to the points already queried), then to each other, then the points
-    attend to the virtual tracks (point←virtual). A linear head maps the point tokens to
-    ``output_dim`` updates.
+    block a space block runs per frame: the virtual tracks attend to the points (virtual←point),
+    then to each other, then the points attend to the virtual tracks (point←virtual). With a
+    ``point_mask``, the points not marked in it are the official CoTracker2's not-yet-queried points:
+    they are masked out of the virtual←point keys, and attend uniformly in point←virtual (see
+    :func:`attention`). A linear head maps the point tokens to ``output_dim`` updates.
 
     Args:
         input_dim: width of the input tokens.
@@ -197,15 +220,15 @@ class UpdateFormer(nn.Module):
         batch, tracks, frames, width = tokens.shape
         space = tokens.transpose(1, 2).reshape(batch * frames, tracks, width)  # (B S) N C
         points, virtual = space.split([tracks - self.num_virtual_tracks, self.num_virtual_tracks], dim=1)
-        key_mask = None if point_mask is None else point_mask.repeat_interleave(frames, dim=0)  # (B S) N
-        virtual = self.space_virtual_from_point_blocks[index](virtual, points, key_mask)
+        point_rows = None if point_mask is None else point_mask.repeat_interleave(frames, dim=0)  # (B S) N
+        virtual = self.space_virtual_from_point_blocks[index](virtual, points, key_mask=point_rows)
         virtual = self.space_virtual_blocks[index](virtual)
-        points = self.space_point_from_virtual_blocks[index](points, virtual)
+        points = self.space_point_from_virtual_blocks[index](points, virtual, query_mask=point_rows)
         space = torch.cat([points, virtual], dim=1)
         return space.reshape(batch, frames, tracks, width).transpose(1, 2)
 
     def forward(self, tokens: Tensor, point_mask: Tensor | None = None) -> Tensor:
-        """[B, N, S, input_dim] (and [B, N] bool: points attended to) → [B, N, S, output_dim]."""
+        """[B, N, S, input_dim] (and optionally [B, N] bool: the points already queried) → [B, N, S, output_dim]."""
         tokens = self.input_transform(tokens)
         batch, _, frames, _ = tokens.shape
         tokens = torch.cat([tokens, self.virtual_tracks.expand(batch, -1, frames, -1)], dim=1)

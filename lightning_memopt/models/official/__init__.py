@@ -16,7 +16,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_memopt.models.cotracker import CoTracker2, CoTracker3
 from lightning_memopt.models.iresnet import IResNet
+from lightning_memopt.models.official.cotracker import CoTracker2Layout, CoTracker3Layout
 from lightning_memopt.models.official.layout import (
     ConversionReport,
     OfficialCheckpointError,
@@ -25,12 +27,15 @@ from lightning_memopt.models.official.layout import (
     convert_to_ours,
     unwrap_state_dict,
 )
+from lightning_memopt.models.official.sapiens import SapiensLayout
 from lightning_memopt.models.registry import create_model
+from lightning_memopt.models.sapiens import SapiensNormal
 
 __all__ = [
     "ConversionReport",
     "OfficialCheckpointError",
     "OfficialLayout",
+    "apply_pretrained",
     "convert_official_state_dict",
     "load_pretrained",
     "official_layout",
@@ -46,7 +51,12 @@ class IResNetLayout(OfficialLayout):
 
 
 # Most specific classes first: a layout applies to its class and subclasses.
-_LAYOUTS: tuple[tuple[type[nn.Module], type[OfficialLayout]], ...] = ((IResNet, IResNetLayout),)
+_LAYOUTS: tuple[tuple[type[nn.Module], type[OfficialLayout]], ...] = (
+    (IResNet, IResNetLayout),
+    (SapiensNormal, SapiensLayout),
+    (CoTracker2, CoTracker2Layout),
+    (CoTracker3, CoTracker3Layout),  # the offline CoTracker3 too
+)
 
 
 def official_layout(model: nn.Module, backbone_only: bool = False) -> OfficialLayout:
@@ -191,3 +201,38 @@ def load_pretrained(
     else:
         rank_zero_info(message)
     return report
+
+
+def apply_pretrained(
+    model: nn.Module, pretrained: str | Path | None = None, pretrained_backbone: str | Path | None = None
+) -> ConversionReport | None:
+    """Load the official file a task was configured with (``model.pretrained=`` / ``model.pretrained_backbone=``).
+
+    Args:
+        model: the task's network.
+        pretrained: a whole-model official checkpoint, or None.
+        pretrained_backbone: a backbone-only official checkpoint (Sapiens MAE pre-training), or None.
+
+    Returns:
+        The conversion report, or None when neither file is given.
+
+    Raises:
+        ValueError: when both are given (a whole-model file already holds the backbone).
+        OfficialCheckpointError: see :func:`load_pretrained`.
+
+    Example::
+
+        >>> from lightning_memopt.models import create_model
+        >>> apply_pretrained(create_model("iresnet_tiny")) is None
+        True
+    """
+    if pretrained is not None and pretrained_backbone is not None:
+        raise ValueError(
+            f"give `pretrained`={str(pretrained)!r} or `pretrained_backbone`={str(pretrained_backbone)!r}, not both: "
+            "the whole-model file already holds the backbone"
+        )
+    if pretrained is not None:
+        return load_pretrained(model, pretrained)
+    if pretrained_backbone is not None:
+        return load_pretrained(model, pretrained_backbone, backbone_only=True)
+    return None

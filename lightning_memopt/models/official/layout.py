@@ -123,6 +123,10 @@ class OfficialLayout:
         """Whether a converted ``value`` can load into ``template``; the default asks for the same shape."""
         return value.shape == template.shape
 
+    def mismatch(self, name: str, value: Tensor, template: Tensor) -> str:
+        """How the error describes a ``value`` that :meth:`accepts` refused; the default gives both shapes."""
+        return f"{name} {tuple(value.shape)} (model {tuple(template.shape)})"
+
     def fixed_tensors(self) -> dict[str, Tensor]:
         """Official-only tensors the official model computes (buffers): written on export, checked on import."""
         return {}
@@ -253,7 +257,7 @@ def convert_to_ours(
         joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         value = layout.to_ours(name, joined, template_value)
         if not layout.accepts(name, value, template_value):
-            bad_shapes.append(f"{name} {tuple(value.shape)} (model {tuple(template_value.shape)})")
+            bad_shapes.append(layout.mismatch(name, value, template_value))
             continue
         converted[name] = value
         report.tensors += 1

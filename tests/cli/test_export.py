@@ -1,0 +1,62 @@
+"""memopt-export writes a trained network in its official layout; memopt-train starts from official files."""
+
+import pytest
+import torch
+
+from lightning_memopt.cli.export import export_official, main
+from lightning_memopt.cli.train import train
+from lightning_memopt.models import create_model
+from tests.helpers import REPO_ROOT, TINY_FACE, run_python
+
+
+def _official_file(tmp_path, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    official = {
+        key: torch.randn(value.shape, generator=generator) if value.is_floating_point() else value
+        for key, value in create_model("iresnet_tiny").state_dict().items()
+    }
+    path = tmp_path / "official.pth"
+    torch.save({"state_dict": {"module." + key: value for key, value in official.items()}}, path)
+    return path, official
+
+
+def test_train_starts_from_an_official_file_and_exports_back(compose_train, tmp_path, capsys):
+    path, official = _official_file(tmp_path)
+    train(compose_train(*TINY_FACE, f"model.pretrained='{path}'"))
+    checkpoint = next(tmp_path.glob("csv/version_*/checkpoints/*.ckpt"))
+    capsys.readouterr()
+    main([str(checkpoint), str(tmp_path / "exported.pth")])
+    assert "tensors of iresnet_tiny in the official IResNet layout" in capsys.readouterr().out
+    exported = torch.load(tmp_path / "exported.pth", weights_only=True)
+    trained = torch.load(checkpoint, weights_only=False)["state_dict"]
+    assert list(exported) == list(official)
+    assert all(torch.equal(exported[key], trained["backbone." + key]) for key in official)
+    # the run started from the official weights: two optimiser steps moved them, but only a little
+    assert not torch.equal(exported["fc.weight"], official["fc.weight"])
+    assert torch.allclose(exported["fc.weight"], official["fc.weight"], atol=0.5)
+
+
+def test_export_of_a_bare_state_dict_needs_the_preset(tmp_path):
+    ours = create_model("iresnet_tiny").state_dict()
+    official, name = export_official(ours, "iresnet_tiny")
+    assert name == "iresnet_tiny" and all(torch.equal(official[key], value) for key, value in ours.items())
+    torch.save(ours, tmp_path / "ours.pth")
+    result = run_python(["-m", "lightning_memopt.cli.export", str(tmp_path / "ours.pth"), "out.pth"], tmp_path, 120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "memopt-export: the checkpoint does not name its preset" in result.stderr and "--model NAME" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.pretrained=/nowhere/a.pth", "memopt-train: checkpoint file '/nowhere/a.pth' does not exist"),
+        ("model.pretrained_backbone=PATH", "memopt-train: `backbone_only`=True, but IResNet checkpoints come whole"),
+    ],
+)
+def test_memopt_train_ends_a_bad_pretrained_file_with_its_reason(tmp_path, override, message):
+    path, _ = _official_file(tmp_path)
+    override = override.replace("PATH", str(path))
+    result = run_python(["-m", "lightning_memopt.train", *TINY_FACE, override], tmp_path, 300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert REPO_ROOT.exists()
