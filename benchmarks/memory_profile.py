@@ -3,6 +3,7 @@
 Also measures MemoryMonitor's overhead: step time with vs without it, as a ratio in one process.
 
     python benchmarks/memory_profile.py [--only r18,sapiens_2b] [--csv benchmarks/memory_profile.csv]
+    python benchmarks/memory_profile.py --table    # print the README table from the CSV
 
 Nothing is allocated for the profiles (FakeTensorMode), so the 2 B-parameter Sapiens runs on a laptop.
 """
@@ -10,6 +11,7 @@ Nothing is allocated for the profiles (FakeTensorMode), so the 2 B-parameter Sap
 from __future__ import annotations
 
 import argparse
+import csv
 import time
 from pathlib import Path
 
@@ -76,13 +78,36 @@ def monitor_overhead(every_n_steps: int, steps: int, rounds: int = 2) -> float:
     return seconds["with"] / seconds["without"]
 
 
+def table(path: Path) -> str:
+    """The README's markdown table, from the CSV."""
+    with path.open() as handle:
+        rows = list(csv.DictReader(handle))
+    columns = ("parameters", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
+    lines = [
+        "| preset | precision | batch | peak GiB | parameters | gradients | optimizer state | inputs | activations "
+        "| temporaries | peak in |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cells = " | ".join(f"{float(row[f'{column}_gib']):.2f}" for column in columns)
+        lines.append(
+            f"| {row['preset']} | {row['precision']} | {row['batch']} | **{float(row['peak_gib']):.2f}** | {cells} "
+            f"| {row['phase']} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated presets (default: all)")
     parser.add_argument("--csv", default=str(Path(__file__).with_suffix(".csv")))
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--overhead-only", action="store_true")
+    parser.add_argument("--table", action="store_true", help="print the README table from the CSV and stop")
     args = parser.parse_args()
+    if args.table:
+        print(table(Path(args.csv)))
+        return
     names = [] if args.overhead_only else [n for n in args.only.split(",") if n] or list(REFERENCE_RUNS)
     rows = []
     print(

@@ -65,7 +65,7 @@ def network_state_dict(state_dict: Mapping[str, Tensor], template: Mapping[str, 
 def export_official(
     checkpoint: Mapping[str, Any], model: str | None = None, **preset_overrides: Any
 ) -> tuple[dict[str, Tensor], str]:
-    """The official state dict of the network in ``checkpoint``, and the preset's name.
+    """The official state dict of the network in ``checkpoint``, and the name of its layout's family.
 
     Args:
         checkpoint: a Lightning checkpoint of one of our tasks (its ``hyper_parameters`` name the
@@ -85,10 +85,10 @@ def export_official(
         )
     options = {**dict(hyper_parameters.get("backbone_options") or {}), **preset_overrides}
     with torch.device("meta"):
-        template = create_model(name, **options).state_dict()
+        network = create_model(name, **options)
     state_dict = checkpoint.get("state_dict", checkpoint)
-    ours = network_state_dict(state_dict, template)
-    return to_official_state_dict(ours, name, **options), name
+    ours = network_state_dict(state_dict, network.state_dict())
+    return to_official_state_dict(ours, name, **options), official_layout(network).family
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -99,19 +99,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", help="the preset (default: the checkpoint's `backbone`)")
     args = parser.parse_args(argv)
     try:
+        if args.checkpoint.is_dir():
+            raise OfficialCheckpointError(
+                f"{str(args.checkpoint)!r} is a sharded checkpoint directory: consolidate it into one file first "
+                "(`python -m lightning.pytorch.utilities.consolidate_checkpoint PATH`)"
+            )
         if not args.checkpoint.is_file():
             raise FileNotFoundError(f"checkpoint file {str(args.checkpoint)!r} does not exist")
         # A training checkpoint of your own: Lightning stores callback states and hyper-parameters beside tensors.
         checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
-        official, name = export_official(checkpoint, args.model)
+        official, family = export_official(checkpoint, args.model)
     except (OfficialCheckpointError, FileNotFoundError, ValueError) as error:
         print(f"memopt-export: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     args.output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(official, args.output)
-    with torch.device("meta"):
-        family = official_layout(create_model(name)).family
-    print(f"memopt-export: wrote {args.output}: {len(official)} tensors of {name} in the official {family} layout")
+    print(f"memopt-export: wrote {args.output}: {len(official)} tensors in the official {family} layout")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from lightning_memopt.cli.config import config_dir
 from lightning_memopt.memory.profile import MemoryProfile, profile_step
+from lightning_memopt.planner.config import instantiate_model
 
 _GIB = 2**30
 
@@ -27,7 +28,7 @@ def profile(cfg: DictConfig) -> MemoryProfile:
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
     return profile_step(
-        lambda: instantiate(cfg.model),
+        lambda: instantiate_model(cfg.model),
         batch,
         mode=cfg.profile.mode,
         precision=str(cfg.trainer.precision),

@@ -27,9 +27,13 @@ SMALLER_BACKBONE = {
 }
 
 
+# the tasks' options naming official files to start from (see lightning_memopt.models.official.apply_pretrained)
+PRETRAINED_OPTIONS = ("pretrained", "pretrained_backbone")
+
+
 def instantiate_model(model_cfg: DictConfig) -> Any:
     """The task of ``model_cfg`` without its pretrained files: a step's memory does not depend on the weights."""
-    return instantiate(model_cfg, **{key: None for key in ("pretrained", "pretrained_backbone") if key in model_cfg})
+    return instantiate(model_cfg, **{key: None for key in PRETRAINED_OPTIONS if key in model_cfg})
 
 
 def family(cfg: DictConfig) -> str:

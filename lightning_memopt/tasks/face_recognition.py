@@ -50,6 +50,8 @@ class FaceRecognitionModule(LightningModule):
         pretrained: an official checkpoint file of the whole network, loaded after construction
             (see :func:`lightning_memopt.models.official.load_pretrained`).
         pretrained_backbone: an official backbone-only checkpoint file (Sapiens MAE pre-training).
+        pretrained_weights_only: read those files with ``torch.load(weights_only=True)``; ``False`` for a
+            trusted file that pickles more than tensors.
         margin_list: ``(m1, m2, m3)`` of :class:`CombinedMarginLoss`.
         scale: logit scale ``s``.
         sample_rate: Partial FC sampling rate in (0, 1]; 1 is the full softmax.
@@ -99,6 +101,7 @@ class FaceRecognitionModule(LightningModule):
         backbone_options: Mapping[str, Any] | None = None,
         pretrained: str | None = None,
         pretrained_backbone: str | None = None,
+        pretrained_weights_only: bool = True,
         margin_list: Sequence[float] = (1.0, 0.5, 0.0),
         scale: float = 64.0,
         sample_rate: float = 1.0,
@@ -124,9 +127,10 @@ class FaceRecognitionModule(LightningModule):
             raise ValueError(f"Unknown `optimizer`={optimizer!r}; valid choices: {', '.join(OPTIMIZERS)}")
         warmup_decay(total_steps=warmup_steps + 1, warmup_steps=warmup_steps, schedule=schedule, power=power)
         _check_topology_options(topo_weight, topo_variant, topo_input_size, em_iterations)
-        self.save_hyperparameters()
+        # The files are where the run started, not part of the model: a checkpoint restores without them.
+        self.save_hyperparameters(ignore=["pretrained", "pretrained_backbone", "pretrained_weights_only"])
         self.backbone = create_model(backbone, **dict(backbone_options or {}))
-        apply_pretrained(self.backbone, pretrained, pretrained_backbone)
+        apply_pretrained(self.backbone, pretrained, pretrained_backbone, pretrained_weights_only)
         self.head = PartialFC(
             num_classes=num_classes,
             embedding_size=cast(int, self.backbone.embedding_size),

@@ -229,6 +229,8 @@ class NormalEstimationModule(LightningModule):
         pretrained: an official checkpoint file of the whole network, loaded after construction
             (see :func:`lightning_memopt.models.official.load_pretrained`).
         pretrained_backbone: an official backbone-only checkpoint file (Sapiens MAE pre-training).
+        pretrained_weights_only: read those files with ``torch.load(weights_only=True)``; ``False`` for a
+            trusted file that pickles more than tensors.
         lr: peak learning rate of the top layer.
         betas: AdamW betas.
         weight_decay: AdamW weight decay (not on biases, norms, the position table).
@@ -257,6 +259,7 @@ class NormalEstimationModule(LightningModule):
         backbone_options: Mapping[str, Any] | None = None,
         pretrained: str | None = None,
         pretrained_backbone: str | None = None,
+        pretrained_weights_only: bool = True,
         lr: float = 5e-4,
         betas: Sequence[float] = (0.9, 0.999),
         weight_decay: float = 0.1,
@@ -277,9 +280,10 @@ class NormalEstimationModule(LightningModule):
                 f"`cosine_weight`={cosine_weight!r} and `l1_weight`={l1_weight!r} must be non-negative, not both 0"
             )
         warmup_decay(total_steps=warmup_steps + 1, warmup_steps=warmup_steps, schedule=schedule, power=power)
-        self.save_hyperparameters()
+        # The files are where the run started, not part of the model: a checkpoint restores without them.
+        self.save_hyperparameters(ignore=["pretrained", "pretrained_backbone", "pretrained_weights_only"])
         self.network = create_model(backbone, **dict(backbone_options or {}))
-        apply_pretrained(self.network, pretrained, pretrained_backbone)
+        apply_pretrained(self.network, pretrained, pretrained_backbone, pretrained_weights_only)
         if not isinstance(getattr(self.network, "backbone", None), VisionTransformer):
             raise ValueError(
                 f"`backbone`={backbone!r} is not a normal-estimation network with a ViT `backbone`;"

@@ -176,6 +176,8 @@ class TrackingModule(LightningModule):
         pretrained: an official checkpoint file of the whole network, loaded after construction
             (see :func:`lightning_memopt.models.official.load_pretrained`).
         pretrained_backbone: an official backbone-only checkpoint file (Sapiens MAE pre-training).
+        pretrained_weights_only: read those files with ``torch.load(weights_only=True)``; ``False`` for a
+            trusted file that pickles more than tensors.
         gamma: discount of earlier refinement iterations, in (0, 1].
         huber_delta: Huber threshold of the track loss, in pixels.
         visibility_weight: weight of the visibility loss.
@@ -207,6 +209,7 @@ class TrackingModule(LightningModule):
         backbone_options: Mapping[str, Any] | None = None,
         pretrained: str | None = None,
         pretrained_backbone: str | None = None,
+        pretrained_weights_only: bool = True,
         gamma: float = 0.8,
         huber_delta: float = 6.0,
         visibility_weight: float = 1.0,
@@ -230,9 +233,10 @@ class TrackingModule(LightningModule):
             if value < 0:
                 raise ValueError(f"`{name}`={value!r} must be at least 0")
         warmup_decay(total_steps=warmup_steps + 1, warmup_steps=warmup_steps, schedule=schedule, power=power)
-        self.save_hyperparameters()
+        # The files are where the run started, not part of the model: a checkpoint restores without them.
+        self.save_hyperparameters(ignore=["pretrained", "pretrained_backbone", "pretrained_weights_only"])
         self.backbone = create_model(backbone, **dict(backbone_options or {}))
-        apply_pretrained(self.backbone, pretrained, pretrained_backbone)
+        apply_pretrained(self.backbone, pretrained, pretrained_backbone, pretrained_weights_only)
 
     @override
     def forward(self, video: Tensor, queries: Tensor) -> TrackerOutput:

@@ -26,7 +26,7 @@ def test_train_starts_from_an_official_file_and_exports_back(compose_train, tmp_
     checkpoint = next(tmp_path.glob("csv/version_*/checkpoints/*.ckpt"))
     capsys.readouterr()
     main([str(checkpoint), str(tmp_path / "exported.pth")])
-    assert "tensors of iresnet_tiny in the official IResNet layout" in capsys.readouterr().out
+    assert "tensors in the official IResNet layout" in capsys.readouterr().out
     exported = torch.load(tmp_path / "exported.pth", weights_only=True)
     trained = torch.load(checkpoint, weights_only=False)["state_dict"]
     assert list(exported) == list(official)
@@ -38,8 +38,8 @@ def test_train_starts_from_an_official_file_and_exports_back(compose_train, tmp_
 
 def test_export_of_a_bare_state_dict_needs_the_preset(tmp_path):
     ours = create_model("iresnet_tiny").state_dict()
-    official, name = export_official(ours, "iresnet_tiny")
-    assert name == "iresnet_tiny" and all(torch.equal(official[key], value) for key, value in ours.items())
+    official, family = export_official(ours, "iresnet_tiny")
+    assert family == "IResNet" and all(torch.equal(official[key], value) for key, value in ours.items())
     torch.save(ours, tmp_path / "ours.pth")
     result = run_python(["-m", "lightning_memopt.cli.export", str(tmp_path / "ours.pth"), "out.pth"], tmp_path, 120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -60,3 +60,17 @@ def test_memopt_train_ends_a_bad_pretrained_file_with_its_reason(tmp_path, overr
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr and "Traceback" not in result.stderr
     assert REPO_ROOT.exists()
+
+
+def test_export_reads_networks_saved_under_checkpointing_and_compile_wrappers():
+    network = create_model("cotracker3_tiny")
+    wrapped = {
+        "backbone."
+        + key.replace("blocks.0.", "blocks.0._checkpoint_wrapped_module.").replace("fnet.", "_orig_mod.fnet."): value
+        for key, value in network.state_dict().items()
+    }
+    assert any("_checkpoint_wrapped_module" in key for key in wrapped)
+    checkpoint = {"state_dict": wrapped, "hyper_parameters": {"backbone": "cotracker3_tiny", "backbone_options": {}}}
+    official, family = export_official(checkpoint)
+    assert family == "CoTracker3" and "updateformer.vis_conf_head.weight" in official
+    assert torch.equal(official["fnet.conv1.weight"], network.fnet.stem[0].weight)

@@ -1,5 +1,6 @@
 """Official checkpoints: containers, the IResNet layout, the errors, load_pretrained and the tasks' `pretrained`."""
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -27,13 +28,27 @@ def _seeded_state_dict(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("name", ["r18", "r50", "r100", "r200"])
-def test_official_iresnet_keys_are_ours_on_every_preset(name):
+# insightface arcface_torch iresnet.py: key names and shapes of r50 (facts file: identical to ours)
+INSIGHTFACE_R50 = {
+    "conv1.weight": (64, 3, 3, 3),
+    "bn1.running_var": (64,),
+    "prelu.weight": (64,),
+    "layer1.0.bn1.weight": (64,),
+    "layer1.0.prelu.weight": (64,),
+    "layer1.0.downsample.0.weight": (64, 64, 1, 1),
+    "layer2.0.conv2.weight": (128, 128, 3, 3),
+    "layer4.2.bn3.bias": (512,),
+    "bn2.weight": (512,),
+    "fc.weight": (512, 512 * 7 * 7),
+    "features.running_mean": (512,),
+}
+
+
+def test_official_iresnet_names_and_shapes_load_as_they_are():
     with torch.device("meta"):
-        template = create_model(name).state_dict()
-    ours = convert_official_state_dict(template, name)
-    assert list(ours) == list(template)
-    assert "layer1.0.conv1.weight" in ours and ours["fc.weight"].shape == (512, 512 * 7 * 7)
+        ours = convert_official_state_dict(create_model("r50").state_dict(), "r50")
+    assert {key: tuple(ours[key].shape) for key in INSIGHTFACE_R50} == INSIGHTFACE_R50
+    assert len(ours) == 475 and sum(key.startswith("layer3.") for key in ours) == 14 * 18 + 6
 
 
 @pytest.mark.parametrize(
@@ -166,7 +181,8 @@ def test_renames_merged_pieces_fixed_buffers_and_drops_both_ways():
         "1 fixed buffers checked (table); dropped 1 (pre-training only)"
     )
     official["table"] = torch.zeros(4)
-    with pytest.raises(OfficialCheckpointError, match=r"the official buffer `table` \(4,\) differs from what"):
+    expected = r"the official buffer `table` is not what the model computes: its values differ by up to 3 "
+    with pytest.raises(OfficialCheckpointError, match=expected):
         convert_to_ours(official, layout)
 
 
@@ -176,5 +192,28 @@ def test_a_task_starts_from_an_official_file_and_refuses_two(tmp_path):
     torch.save({"state_dict": {"module." + key: value for key, value in official.items()}}, path)
     module = FaceRecognitionModule(num_classes=4, backbone="iresnet_tiny", pretrained=str(path))
     assert torch.equal(module.backbone.fc.weight, official["fc.weight"])
-    with pytest.raises(ValueError, match=r"give `pretrained`='a' or `pretrained_backbone`='b', not both"):
+    with pytest.raises(OfficialCheckpointError, match=r"give `pretrained`='a' or `pretrained_backbone`='b', not both"):
         apply_pretrained(create_model("iresnet_tiny"), "a", "b")
+
+
+def test_unreadable_files_directories_and_meta_models_are_refused_with_the_reason(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(OfficialCheckpointError, match=r"notes.txt' is not a checkpoint torch.load reads \(Unsupported"):
+        read_official_file(tmp_path / "notes.txt")
+    (tmp_path / "sharded.ckpt").mkdir()
+    with pytest.raises(OfficialCheckpointError, match=r"sharded.ckpt' is a directory \(a sharded checkpoint\?\)"):
+        read_official_file(tmp_path / "sharded.ckpt")
+    torch.save({"meta": {"seed": np.int64(3)}, "state_dict": _seeded_state_dict("iresnet_tiny")}, tmp_path / "np.pth")
+    with pytest.raises(OfficialCheckpointError, match=r"\(Unsupported global: GLOBAL numpy\..*scalar"):
+        read_official_file(tmp_path / "np.pth")
+    torch.save(_seeded_state_dict("iresnet_tiny"), tmp_path / "official.pth")
+    with torch.device("meta"):
+        model = create_model("iresnet_tiny")
+    with pytest.raises(OfficialCheckpointError, match=r"the model is on the meta device, where loading copies nothing"):
+        load_pretrained(model, tmp_path / "official.pth")
+
+
+def test_a_half_precision_copy_passes_the_buffer_check():
+    official = to_official_state_dict(create_model("cotracker2_tiny").state_dict(), "cotracker2_tiny")
+    half = {key: value.to(torch.bfloat16) if value.is_floating_point() else value for key, value in official.items()}
+    assert len(convert_official_state_dict(half, "cotracker2_tiny")) == len(official) - 2

@@ -1,6 +1,7 @@
 import math
 from types import SimpleNamespace
 
+import lightning
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -9,9 +10,10 @@ from hydra.utils import instantiate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.data import DataLoader
 
+from lightning_memopt.cli.export import export_official
 from lightning_memopt.cli.train import train
 from lightning_memopt.data.synthetic_normals import SyntheticNormalsDataset
-from lightning_memopt.models import create_model
+from lightning_memopt.models import create_model, to_official_state_dict
 from lightning_memopt.tasks import NormalEstimationModule
 from lightning_memopt.tasks.normal_estimation import (
     AngularError,
@@ -284,3 +286,23 @@ def test_the_experiment_logs_every_angular_metric(compose_train, tmp_path):
     train(compose_train("experiment=sapiens_2b_normal", *TINY_NORMALS))
     header = next(tmp_path.glob("csv/version_*/metrics.csv")).read_text().splitlines()[0]
     assert VAL_KEYS | {"train/loss"} <= set(header.split(","))
+
+
+def test_a_checkpoint_of_a_run_started_from_an_official_file_loads_without_that_file(tmp_path):
+    official = to_official_state_dict(create_model("sapiens_tiny").state_dict(), "sapiens_tiny")
+    torch.save({"state_dict": official}, tmp_path / "official.pth")
+    module = NormalEstimationModule(backbone="sapiens_tiny", pretrained=str(tmp_path / "official.pth"))
+    assert module.network.backbone.position_grid == (4, 3)  # the file's token grid, adopted
+    checkpoint = {
+        "state_dict": module.state_dict(),
+        "hyper_parameters": dict(module.hparams),
+        "pytorch-lightning_version": lightning.__version__,
+    }
+    torch.save(checkpoint, tmp_path / "run.ckpt")
+    (tmp_path / "official.pth").unlink()
+    assert "pretrained" not in checkpoint["hyper_parameters"]
+    restored = NormalEstimationModule.load_from_checkpoint(tmp_path / "run.ckpt")
+    assert restored.network.backbone.position_grid == (4, 3)
+    assert torch.equal(restored.network.backbone.pos_embed, module.network.backbone.pos_embed)
+    exported, family = export_official(checkpoint)
+    assert family == "Sapiens" and all(torch.equal(exported[key], value) for key, value in official.items())

@@ -8,6 +8,7 @@ file into a model, logging what it did. Which layout applies is decided by the m
 from __future__ import annotations
 
 import pickle
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -142,18 +143,34 @@ def read_official_file(path: str | Path, weights_only: bool = True) -> dict[str,
         OfficialCheckpointError: the file holds no state dict, or objects ``weights_only`` refuses.
     """
     path = Path(path)
+    if path.is_dir():
+        raise OfficialCheckpointError(
+            f"{str(path)!r} is a directory (a sharded checkpoint?): give the file of a whole state dict"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file {str(path)!r} does not exist")
     try:
         content = torch.load(path, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as error:
+        reason = _refusal(error)
+        if "Unsupported global" not in reason:
+            raise OfficialCheckpointError(f"{str(path)!r} is not a checkpoint torch.load reads ({reason})") from error
         raise OfficialCheckpointError(
             f"{str(path)!r} holds objects besides tensors, which `weights_only=True` refuses to unpickle "
-            f"({str(error).splitlines()[0]}); if you trust the file, load it with `weights_only=False`"
+            f"({reason}); if you trust the file, load it with `weights_only=False`"
         ) from error
+    except (RuntimeError, EOFError, KeyError, ValueError) as error:
+        raise OfficialCheckpointError(f"{str(path)!r} is not a checkpoint torch.load reads ({error!r})") from error
     if not isinstance(content, Mapping):
         raise OfficialCheckpointError(f"{str(path)!r} holds a {type(content).__name__}, not a state dict")
     return unwrap_state_dict(content)
+
+
+def _refusal(error: pickle.UnpicklingError) -> str:
+    """The line of torch's refusal that says what it refused (``Unsupported global: …``), without colour codes."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    found = re.search(r"Unsupported[^\n]*?(?=\. Please|\n|$)", text)
+    return found.group(0) if found else text.splitlines()[0] if text else "refused"
 
 
 def load_pretrained(
@@ -189,13 +206,18 @@ def load_pretrained(
         >>> load_pretrained(create_model("iresnet_tiny"), path).tensors
         115
     """
+    if any(tensor.is_meta for tensor in model.state_dict().values()):
+        raise OfficialCheckpointError(
+            "the model is on the meta device, where loading copies nothing: materialise it first "
+            "(`model.to_empty(device=...)`), or convert the file with `convert_official_state_dict`"
+        )
     layout = official_layout(model, backbone_only)
     converted, report = convert_to_ours(read_official_file(path, weights_only), layout, strict=strict)
-    adapted = layout.prepare(model, converted)
+    notes = layout.load_notes(model, converted)
     # Non-strict at the module level only for the tensors outside the template (the head of a backbone-only
     # load): the conversion has already checked every tensor of the template.
     model.load_state_dict(converted, strict=strict and not backbone_only)
-    message = f"loaded {path}: {report.summary()}" + "".join(f"; {line}" for line in adapted)
+    message = f"loaded {path}: {report.summary()}" + "".join(f"; {line}" for line in notes)
     if report.not_loaded:
         rank_zero_warn(message)
     else:
@@ -204,7 +226,10 @@ def load_pretrained(
 
 
 def apply_pretrained(
-    model: nn.Module, pretrained: str | Path | None = None, pretrained_backbone: str | Path | None = None
+    model: nn.Module,
+    pretrained: str | Path | None = None,
+    pretrained_backbone: str | Path | None = None,
+    weights_only: bool = True,
 ) -> ConversionReport | None:
     """Load the official file a task was configured with (``model.pretrained=`` / ``model.pretrained_backbone=``).
 
@@ -212,13 +237,14 @@ def apply_pretrained(
         model: the task's network.
         pretrained: a whole-model official checkpoint, or None.
         pretrained_backbone: a backbone-only official checkpoint (Sapiens MAE pre-training), or None.
+        weights_only: see :func:`read_official_file`.
 
     Returns:
         The conversion report, or None when neither file is given.
 
     Raises:
-        ValueError: when both are given (a whole-model file already holds the backbone).
-        OfficialCheckpointError: see :func:`load_pretrained`.
+        OfficialCheckpointError: when both are given (a whole-model file already holds the backbone), and
+            see :func:`load_pretrained`.
 
     Example::
 
@@ -227,12 +253,12 @@ def apply_pretrained(
         True
     """
     if pretrained is not None and pretrained_backbone is not None:
-        raise ValueError(
+        raise OfficialCheckpointError(
             f"give `pretrained`={str(pretrained)!r} or `pretrained_backbone`={str(pretrained_backbone)!r}, not both: "
             "the whole-model file already holds the backbone"
         )
     if pretrained is not None:
-        return load_pretrained(model, pretrained)
+        return load_pretrained(model, pretrained, weights_only=weights_only)
     if pretrained_backbone is not None:
-        return load_pretrained(model, pretrained_backbone, backbone_only=True)
+        return load_pretrained(model, pretrained_backbone, backbone_only=True, weights_only=weights_only)
     return None

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 # How many unmatched keys an error quotes per side (the counts are always given).
 _QUOTED_KEYS = 12
 # Wrappers the official training scripts and ours put around a state dict.
-_CONTAINER_KEYS = ("state_dict", "model", "module", "network")
+_CONTAINER_KEYS = ("state_dict", "model", "module")
 _DDP_PREFIX = "module."
 
 
@@ -135,8 +135,8 @@ class OfficialLayout:
         """Why an official-only tensor is not part of our model (dropped on import), or None if it should be."""
         return None
 
-    def prepare(self, model: nn.Module, state_dict: Mapping[str, Tensor]) -> list[str]:
-        """Adapt ``model`` to a converted state dict before it loads (e.g. adopt its position grid); says what."""
+    def load_notes(self, model: nn.Module, state_dict: Mapping[str, Tensor]) -> list[str]:
+        """What loading ``state_dict`` changes in ``model`` beyond its values, as lines for the log."""
         return []
 
 
@@ -154,7 +154,7 @@ class ConversionReport:
     not_loaded: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        """One line: ``"321 tensors (243 renamed, 2 merged); 2 fixed buffers checked; dropped: ..."``."""
+        """One line, e.g. ``"CoTracker3 layout: 185 tensors (145 renamed, 0 reshaped, 2 merged from several); …"``."""
         parts = [f"{self.tensors} tensors ({len(self.renamed)} renamed, {len(self.reshaped)} reshaped"]
         if self.merged:
             parts[0] += f", {len(self.merged)} merged from several"
@@ -171,7 +171,7 @@ class ConversionReport:
 
 
 def unwrap_state_dict(checkpoint: Mapping[str, object]) -> dict[str, Tensor]:
-    """The tensors of an official file: unwraps ``{"state_dict": …}`` / ``{"model": …}`` and strips ``module.``.
+    """The tensors of an official file: unwraps ``{"state_dict" | "model" | "module": …}`` and strips ``module.``.
 
     Raises:
         OfficialCheckpointError: when no mapping of tensors is found.
@@ -220,12 +220,21 @@ def _mismatch_error(family: str, missing: list[str], unplaced: list[str], bad_sh
     return "\n".join(lines)
 
 
-def _fixed_tensor_differs(official: Tensor, expected: Tensor) -> bool:
+def _fixed_tensor_difference(official: Tensor, expected: Tensor) -> str | None:
+    """How an official fixed buffer differs from the model's own (its shape, or its largest difference), or None.
+
+    Values are compared in the file's dtype, within a few of its units in the last place: a half-precision copy of
+    a checkpoint passes, a table made for another configuration does not.
+    """
     if official.shape != expected.shape:
-        return True
+        return f"its shape {tuple(official.shape)} is not the model's {tuple(expected.shape)}"
     if official.is_meta or expected.is_meta:
-        return False
-    return not torch.allclose(official.float().cpu(), expected.float().cpu(), rtol=1e-5, atol=1e-5)
+        return None
+    dtype = official.dtype
+    tolerance = max(1e-5, 2 * torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
+    official, expected = official.float().cpu(), expected.to(dtype).float().cpu()
+    largest = float((official - expected).abs().max()) if official.numel() else 0.0
+    return None if largest <= tolerance else f"its values differ by up to {largest:.3g} ({dtype})"
 
 
 def convert_to_ours(
@@ -269,11 +278,10 @@ def convert_to_ours(
     unplaced: list[str] = []
     for name in sorted(set(official) - consumed):
         if name in fixed:
-            if _fixed_tensor_differs(official[name], fixed[name]):
+            if (difference := _fixed_tensor_difference(official[name], fixed[name])) is not None:
                 raise OfficialCheckpointError(
-                    f"the official buffer `{name}` {tuple(official[name].shape)} differs from what the model computes "
-                    f"{tuple(fixed[name].shape)}: the checkpoint was made for another configuration "
-                    "(window length, model resolution or stride)"
+                    f"the official buffer `{name}` is not what the model computes: {difference}; the checkpoint "
+                    "was made for another configuration (window length, model resolution or stride)"
                 )
             report.checked_fixed.append(name)
         elif (reason := layout.dropped_reason(name)) is not None:

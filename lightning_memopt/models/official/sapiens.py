@@ -118,14 +118,13 @@ class SapiensLayout(OfficialLayout):
             return "MAE pre-training decoder"
         return None
 
-    def prepare(self, model: nn.Module, state_dict: Mapping[str, Tensor]) -> list[str]:
-        """A table on the token grid makes the model adopt that grid: its forward then resizes nothing."""
+    def load_notes(self, model: nn.Module, state_dict: Mapping[str, Tensor]) -> list[str]:
+        """Says when the model adopts the token grid of a table on it (``SapiensNormal`` does so as it loads)."""
         table = state_dict.get(_POSITION_TABLE)
         backbone = cast(SapiensNormal, model).backbone
         rows = self.token_grid[0] * self.token_grid[1]
         if table is None or table.shape[1] != rows or backbone.position_grid == self.token_grid:
             return []
-        backbone.set_position_grid(self.token_grid)
         return [f"position table {_grid_text(self.token_grid)} (the checkpoint's grid)"]
 
     def _table_grid(self, rows: int) -> tuple[int, int] | None:
