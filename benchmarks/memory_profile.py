@@ -11,13 +11,12 @@ Nothing is allocated for the profiles (FakeTensorMode), so the 2 B-parameter Sap
 from __future__ import annotations
 
 import argparse
-import csv
 import time
 from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
-from results import cpu_trainer, write_csv
+from results import cpu_trainer, markdown_table, read_rows, write_csv
 
 from lightning_memopt.cli.config import config_dir
 from lightning_memopt.cli.profile import profile
@@ -80,21 +79,15 @@ def monitor_overhead(every_n_steps: int, steps: int, rounds: int = 2) -> float:
 
 def table(path: Path) -> str:
     """The README's markdown table, from the CSV."""
-    with path.open() as handle:
-        rows = list(csv.DictReader(handle))
     columns = ("parameters", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
-    lines = [
-        "| preset | precision | batch | peak GiB | parameters | gradients | optimizer state | inputs | activations "
-        "| temporaries | peak in |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+    rows = [
+        [row["preset"], row["precision"], row["batch"], f"**{float(row['peak_gib']):.2f}**"]
+        + [f"{float(row[f'{column}_gib']):.2f}" for column in columns]
+        + [row["phase"]]
+        for row in read_rows(path)
     ]
-    for row in rows:
-        cells = " | ".join(f"{float(row[f'{column}_gib']):.2f}" for column in columns)
-        lines.append(
-            f"| {row['preset']} | {row['precision']} | {row['batch']} | **{float(row['peak_gib']):.2f}** | {cells} "
-            f"| {row['phase']} |"
-        )
-    return "\n".join(lines)
+    header = ["preset", "precision", "batch", "peak GiB", *(c.replace("_", " ") for c in columns), "peak in"]
+    return markdown_table(header, rows)
 
 
 def main() -> None:

@@ -15,11 +15,10 @@ the preset reproduces by default (each has its own test).
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
 
 import torch
-from results import write_csv
+from results import markdown_table, read_rows, write_csv
 from torch import Tensor
 
 from lightning_memopt.models import create_model
@@ -95,19 +94,10 @@ def measure(presets: tuple[str, ...]) -> list[dict]:
 
 def table(path: Path) -> str:
     """The README's markdown table, from the CSV."""
-    with path.open() as handle:
-        rows = list(csv.DictReader(handle))
-    lines = [
-        "| preset | official file | tensors (ours) | renamed | reshaped | merged | fixed buffers checked | dropped "
-        "| reference behaviour by default |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['preset']} | {row['file']} | {row['tensors']} | {row['renamed']} | {row['reshaped']} "
-            f"| {row['merged']} | {row['fixed_buffers']} | {row['dropped']} | {row['behaviour']} |"
-        )
-    return "\n".join(lines)
+    columns = ["preset", "official file", "tensors (ours)", "renamed", "reshaped", "merged", "fixed buffers checked"]
+    keys = ["preset", "file", "tensors", "renamed", "reshaped", "merged", "fixed_buffers", "dropped", "behaviour"]
+    rows = [[row[key] for key in keys] for row in read_rows(path)]
+    return markdown_table([*columns, "dropped", "reference behaviour by default"], rows)
 
 
 def main() -> None:

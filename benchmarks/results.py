@@ -19,6 +19,19 @@ def write_csv(path: str | Path, rows: list[dict]) -> None:
     print(f"wrote {path}")
 
 
+def read_rows(path: str | Path) -> list[dict[str, str]]:
+    """The rows of a benchmark CSV, as dicts of strings."""
+    with Path(path).open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def markdown_table(columns: list[str], rows: list[list[object]]) -> str:
+    """A README table: a header of ``columns`` and one line per row."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def cpu_trainer(steps: int, callbacks: list[pl.Callback], **options: Any) -> pl.Trainer:
     """A CPU Trainer for ``steps`` steps without logger, checkpoints, progress bar or summary."""
     return pl.Trainer(
