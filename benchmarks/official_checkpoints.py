@@ -3,7 +3,7 @@
     python benchmarks/official_checkpoints.py            # convert every preset, print, write official_checkpoints.csv
     python benchmarks/official_checkpoints.py --table    # print the README table from official_checkpoints.csv
 
-For every preset the official state dict is written with ``to_official_state_dict`` from the
+For every preset the official state dict is written with ``convert_to_official`` from the
 preset built on the meta device (no values: key names and shapes only, so Sapiens-2B costs
 nothing), then converted back to ours with the preset's layout; the row counts what that
 conversion did, and a round trip must give back every key with its shape. The Sapiens MAE rows
@@ -22,8 +22,8 @@ from results import markdown_table, read_rows, write_csv
 from torch import Tensor
 
 from lightning_memopt.models import create_model
-from lightning_memopt.models.official import official_layout, to_official_state_dict
-from lightning_memopt.models.official.layout import ConversionReport, convert_to_ours
+from lightning_memopt.models.official import official_layout
+from lightning_memopt.models.official.layout import ConversionReport, convert_to_official, convert_to_ours
 
 PRESETS = (
     "r18",
@@ -79,8 +79,9 @@ def measure(presets: tuple[str, ...]) -> list[dict]:
     for name in presets:
         with torch.device("meta"):
             model = create_model(name)
-        official = to_official_state_dict(model.state_dict(), name)
-        converted, report = convert_to_ours(official, official_layout(model))
+        layout = official_layout(model)
+        official = convert_to_official(model.state_dict(), layout)
+        converted, report = convert_to_ours(official, layout)
         assert set(converted) == set(model.state_dict()), f"{name}: not every tensor of the model was placed"
         rows.append(_row(name, "release", report, official))
         print(f"{name}: {report.summary()}", flush=True)

@@ -21,19 +21,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_memopt.models.official import (
-    OfficialCheckpointError,
-    official_layout,
-    to_official_state_dict,
-)
+from lightning_memopt.models.official import OfficialCheckpointError, official_layout
+from lightning_memopt.models.official.layout import convert_to_official
 from lightning_memopt.models.registry import create_model
-
-# Name parts that wrappers (torch.compile, activation checkpointing, FSDP) insert in parameter names.
-_WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+from lightning_memopt.selection import WRAPPER_NAMES
 
 
 def _unwrapped(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
 
 
 def network_state_dict(state_dict: Mapping[str, Tensor], template: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -88,7 +83,8 @@ def export_official(
         network = create_model(name, **options)
     state_dict = checkpoint.get("state_dict", checkpoint)
     ours = network_state_dict(state_dict, network.state_dict())
-    return to_official_state_dict(ours, name, **options), official_layout(network).family
+    layout = official_layout(network)
+    return convert_to_official(ours, layout), layout.family
 
 
 def main(argv: Sequence[str] | None = None) -> None:

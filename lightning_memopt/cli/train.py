@@ -25,7 +25,6 @@ from lightning_memopt.accumulation import SampleOutOfMemoryError
 from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
 from lightning_memopt.cli.config import config_dir, instantiate_named
 from lightning_memopt.memory.allocator import configure_allocator
-from lightning_memopt.models.official import OfficialCheckpointError
 
 
 def check_launch_fits_hydra_mode(trainer: pl.Trainer) -> None:
@@ -81,9 +80,9 @@ def main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the final training loss (the value Hydra sweepers optimise).
 
     A configuration that cannot run (a MisconfigurationException: a bad argument, a plan that fits
-    nothing), a pretrained file that is missing or does not match the model, or a step that does not
-    fit even in the smallest micro-batch ends the job with its reason on stderr and exit status 2,
-    without a traceback.
+    nothing), a constructor's ValueError (a bad option, a pretrained file that does not match the model),
+    a missing file, or a step that does not fit even in the smallest micro-batch ends the job with its
+    reason on stderr and exit status 2, without a traceback.
     """
     try:
         return train(cfg).final_loss
@@ -91,9 +90,10 @@ def main(cfg: DictConfig) -> float | None:
         print(f"memopt-train: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     except InstantiationException as error:
-        # Hydra wraps what a constructor raises; a pretrained file that is missing or does not match is an
-        # input error, so its own message is the whole story.
-        if not isinstance(error.__cause__, (OfficialCheckpointError, FileNotFoundError)):
+        # Hydra wraps what a constructor raises. Constructors raise ValueError for a bad argument (its name, value
+        # and the valid choices; a pretrained file that does not match is one too) and FileNotFoundError for a
+        # missing file: input errors, whose own message is the whole story.
+        if not isinstance(error.__cause__, (ValueError, FileNotFoundError)):
             raise
         print(f"memopt-train: {error.__cause__}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

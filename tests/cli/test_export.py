@@ -51,9 +51,10 @@ def test_export_of_a_bare_state_dict_needs_the_preset(tmp_path):
     [
         ("model.pretrained=/nowhere/a.pth", "memopt-train: checkpoint file '/nowhere/a.pth' does not exist"),
         ("model.pretrained_backbone=PATH", "memopt-train: `backbone_only`=True, but IResNet checkpoints come whole"),
+        ("model.optimizer=lamb", "memopt-train: Unknown `optimizer`='lamb'; valid choices: sgd, adamw"),
     ],
 )
-def test_memopt_train_ends_a_bad_pretrained_file_with_its_reason(tmp_path, override, message):
+def test_memopt_train_ends_a_bad_pretrained_file_or_option_with_its_reason(tmp_path, override, message):
     path, _ = _official_file(tmp_path)
     override = override.replace("PATH", str(path))
     result = run_python(["-m", "lightning_memopt.train", *TINY_FACE, override], tmp_path, 300)

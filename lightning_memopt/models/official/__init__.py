@@ -206,7 +206,7 @@ def load_pretrained(
         >>> load_pretrained(create_model("iresnet_tiny"), path).tensors
         115
     """
-    if any(tensor.is_meta for tensor in model.state_dict().values()):
+    if any(tensor.is_meta for tensor in (*model.parameters(), *model.buffers())):
         raise OfficialCheckpointError(
             "the model is on the meta device, where loading copies nothing: materialise it first "
             "(`model.to_empty(device=...)`), or convert the file with `convert_official_state_dict`"
