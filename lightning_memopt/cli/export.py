@@ -4,10 +4,12 @@ Examples (shell)::
 
     memopt-export outputs/run/checkpoints/last.ckpt sapiens_1b_normal.pth     # preset from the checkpoint
     memopt-export my_weights.pth cotracker3.pth --model cotracker3           # a bare state dict of ours
+    memopt-export outputs/run/checkpoints/last.ckpt/ sapiens_2b_normal.pth    # fsdp_memopt's sharded folder
 
-The input is a Lightning checkpoint written by ``memopt-train`` (the preset and its options are read
-from its hyper-parameters) or a bare state dict of one of our presets (``--model`` names it). The
-output is a bare official state dict (``torch.load`` + ``load_state_dict`` in the official code).
+The input is a Lightning checkpoint written by ``memopt-train`` (a file, or fsdp_memopt's folder of
+shards; the preset and its options are read from its hyper-parameters) or a bare state dict of one
+of our presets (``--model`` names it). The output is a bare official state dict (``torch.load`` +
+``load_state_dict`` in the official code).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from lightning_memopt.models.official import OfficialCheckpointError, official_l
 from lightning_memopt.models.official.layout import convert_to_official
 from lightning_memopt.models.registry import create_model
 from lightning_memopt.selection import WRAPPER_NAMES
+from lightning_memopt.strategies.consolidate import consolidate_checkpoint, is_sharded_checkpoint
 
 
 def _unwrapped(name: str) -> str:
@@ -95,15 +98,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", help="the preset (default: the checkpoint's `backbone`)")
     args = parser.parse_args(argv)
     try:
-        if args.checkpoint.is_dir():
-            raise OfficialCheckpointError(
-                f"{str(args.checkpoint)!r} is a sharded checkpoint directory: consolidate it into one file first "
-                "(`python -m lightning.pytorch.utilities.consolidate_checkpoint PATH`)"
+        if is_sharded_checkpoint(args.checkpoint):  # fsdp_memopt's folder of shards
+            checkpoint = consolidate_checkpoint(args.checkpoint)
+        elif not args.checkpoint.is_file():
+            raise FileNotFoundError(
+                f"{str(args.checkpoint)!r} is neither a checkpoint file nor a sharded checkpoint folder"
             )
-        if not args.checkpoint.is_file():
-            raise FileNotFoundError(f"checkpoint file {str(args.checkpoint)!r} does not exist")
-        # A training checkpoint of your own: Lightning stores callback states and hyper-parameters beside tensors.
-        checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
+        else:
+            # A training checkpoint of your own: Lightning stores callback states and hyper-parameters beside tensors.
+            checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
         official, family = export_official(checkpoint, args.model)
     except (OfficialCheckpointError, FileNotFoundError, ValueError) as error:
         print(f"memopt-export: {error}", file=sys.stderr, flush=True)

@@ -11,16 +11,23 @@ Example::
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_memopt.strategies.comm_hooks import COMM_HOOKS, comm_hook
+from lightning_memopt.strategies.consolidate import consolidate_checkpoint, is_sharded_checkpoint
 from lightning_memopt.strategies.ddp import POWERSGD_KEY, MemoptDDPStrategy
 from lightning_memopt.strategies.fsdp import MemoptFSDPStrategy, mixed_precision_policy
+from lightning_memopt.strategies.sharding import ShardingError, shard_model, shard_units
 
 __all__ = [
     "COMM_HOOKS",
     "POWERSGD_KEY",
     "MemoptDDPStrategy",
     "MemoptFSDPStrategy",
+    "ShardingError",
     "comm_hook",
+    "consolidate_checkpoint",
+    "is_sharded_checkpoint",
     "mixed_precision_policy",
+    "shard_model",
+    "shard_units",
 ]
 
 _DDP_PRESETS = {
@@ -34,6 +41,6 @@ for _name, (_description, _hook) in _DDP_PRESETS.items():
 StrategyRegistry.register(
     "fsdp_memopt",
     MemoptFSDPStrategy,
-    description="FSDP: full sharding per ViT block, preset activation checkpointing, bf16 compute",
+    description="FSDP2: a unit per model block, bf16 gathers under bf16-mixed, optional CPU offload",
     override=True,
 )

@@ -1,145 +1,198 @@
-"""MemoptFSDPStrategy: full sharding per model block, those blocks checkpointed, a bf16 mixed-precision policy."""
+"""MemoptFSDPStrategy: FSDP2 (``fully_shard``) per model block, with no ``configure_model``; CPU offload at any size."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import nn
-from torch.distributed.fsdp import MixedPrecision
-from torch.distributed.fsdp.wrap import CustomPolicy
 from typing_extensions import override
 
-from lightning_memopt.models.structure import ModelStructure, model_structure
+from lightning_memopt.selection import ModuleSpec
+from lightning_memopt.strategies.sharding import ShardingError, shard_model
 
-PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+PARAM_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_MIXED = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
 
 
-def mixed_precision_policy(param_dtype: str) -> MixedPrecision | None:
-    """Parameters gathered and computed in ``param_dtype``; gradients reduced and buffers kept in fp32.
+def mixed_precision_policy(param_dtype: str, precision: str = "32-true") -> Any:
+    """The FSDP2 ``MixedPrecisionPolicy``: units gathered and computed in ``param_dtype``, gradients reduced in fp32.
+
+    ``"auto"`` follows the run's ``precision``: bf16 under ``bf16-mixed``, fp16 under ``16-mixed``,
+    and no policy (``None``: parameters gathered as they are stored) otherwise, which is also what
+    ``"fp32"`` gives.
 
     Raises:
-        ValueError: for a ``param_dtype`` other than ``"bf16"``, ``"fp16"``, ``"fp32"`` (no policy).
+        ValueError: for a ``param_dtype`` other than ``"auto"``, ``"bf16"``, ``"fp16"``, ``"fp32"``.
 
     Example::
 
-        >>> mixed_precision_policy("bf16").reduce_dtype
-        torch.float32
+        >>> policy = mixed_precision_policy("auto", "bf16-mixed")
+        >>> policy.param_dtype, policy.reduce_dtype
+        (torch.bfloat16, torch.float32)
+        >>> mixed_precision_policy("auto", "32-true") is None
+        True
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"Unknown `param_dtype`={param_dtype!r}; valid choices: {', '.join(PARAM_DTYPES)}")
-    dtype = PARAM_DTYPES[param_dtype]
-    if dtype is None:
+    chosen = _MIXED.get(precision) if param_dtype == "auto" else param_dtype
+    if chosen in (None, "fp32"):
         return None
-    return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[chosen], reduce_dtype=torch.float32)
 
 
-class ModelBlocks:
-    """An FSDP policy function: whether a module is one of the blocks of the model last given to :meth:`find`.
+class MemoptFSDPStrategy(ModelParallelStrategy):
+    """Fully sharded data parallel on FSDP2: each rank keeps 1/N of parameters, gradients and optimizer state.
 
-    The blocks are those the model declares, else the repeated blocks discovered in it
-    (:func:`~lightning_memopt.models.structure.model_structure`); with ``sharded``, only those
-    holding parameters (a unit with nothing to shard is no unit).
+    The model is sharded when the strategy sets up, after ``configure_model`` (and after
+    ActivationCheckpointing, whose checkpointed blocks are sharded as they are), with no code in
+    the LightningModule: one ``fully_shard`` unit per block the model declares (else per
+    repeated block discovered, or per module ``blocks`` selects), then one per direct child of
+    the LightningModule holding the rest (:func:`~lightning_memopt.strategies.sharding.shard_units`).
+    Only one unit's full parameters exist at a time, plus the next one prefetched. Every rank is
+    a data-parallel rank: each gets its own share of the batches, as under DDP. Runs wherever
+    ``torch.distributed`` does: CUDA with NCCL, the CPU with gloo.
 
-    Example::
+    Checkpoints: with ``save_distributed_checkpoint`` (the default) a folder in which each rank
+    writes its shard; :func:`~lightning_memopt.strategies.consolidate_checkpoint` (or
+    ``memopt-export``) turns it into one file whose ``state_dict`` loads into the plain model.
+    ``False`` gathers a full checkpoint on rank 0 instead. Either resumes exactly.
 
-        >>> from lightning_memopt.models import create_model
-        >>> model = create_model("sapiens_tiny")
-        >>> units = ModelBlocks(sharded=True)
-        >>> units.find(model).describe_blocks()
-        '8 blocks (ViTBlock ×2, ConvNormAct ×6; declared)'
-        >>> units(model.backbone.blocks[0]), units(model.backbone)
-        (True, False)
-    """
+    Registered name: ``fsdp_memopt``.
 
-    def __init__(self, sharded: bool = False) -> None:
-        self.sharded = sharded
-        self.ids: set[int] = set()
-
-    def find(self, model: nn.Module) -> ModelStructure:
-        """Find the blocks of ``model``; returns its structure."""
-        structure = model_structure(model)
-        self.use(structure)
-        return structure
-
-    def use(self, structure: ModelStructure) -> None:
-        """Take the blocks of a model's ``structure``."""
-        blocks = structure.blocks
-        if self.sharded:
-            blocks = [(name, block) for name, block in blocks if next(block.parameters(), None) is not None]
-        self.ids = {id(block) for _, block in blocks}
-
-    def __call__(self, module: nn.Module) -> bool:
-        return id(module) in self.ids
-
-
-class MemoptFSDPStrategy(FSDPStrategy):
-    """FSDP for the big models (Sapiens 0.3b–2b): full sharding, one unit per model block, checkpointed blocks.
-
-    - ``sharding_strategy="FULL_SHARD"``: parameters, gradients and optimizer state split over all ranks.
-    - ``auto_wrap_policy``: each block of the model its own FSDP unit, so only one block's full
-      parameters exist at a time. The blocks are those the model declares (ViT blocks and
-      normal-head stages in Sapiens), else the repeated blocks discovered in it, found when the
-      strategy wraps the model (:class:`ModelBlocks`).
-    - ``activation_checkpointing_policy``: the same blocks (``checkpointing=False`` turns it off).
-    - ``mixed_precision``: parameters in ``param_dtype`` (``"bf16"``) for compute, gradients
-      reduced and buffers kept in fp32 (:func:`mixed_precision_policy`).
-    - ``state_dict_type="sharded"``: each rank writes its shard (no full gather at save).
-
-    Registered name: ``fsdp_memopt``. Other keyword arguments go to Lightning's ``FSDPStrategy``.
+    Args:
+        cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory and
+            run the optimizer step there (ZeRO-3-offload); the device holds only the units in flight
+            and the activations. Works at ``devices=1`` too.
+        reshard_after_forward: free each unit's gathered parameters after its forward and gather
+            them again for its backward (ZeRO-3; the least memory). ``False`` keeps them from
+            forward to backward (ZeRO-2 style: one gather fewer per step, a whole model's
+            parameters in memory).
+        param_dtype: the dtype units are gathered and computed in: ``"auto"`` (bf16 under
+            ``precision="bf16-mixed"``, as stored otherwise), ``"bf16"``, ``"fp16"``, ``"fp32"``.
+            Gradients are always reduced in fp32 and sharded parameters kept as stored. Under
+            PrecisionSwitch ``"auto"`` gathers as stored, and the switchable autocast chooses the
+            compute precision step by step.
+        blocks: the units: ``"auto"`` or module classes, dotted paths and name globs.
+        save_distributed_checkpoint: one shard per rank (a folder), or a full checkpoint on rank 0.
+        process_group_backend / timeout: as for Lightning's strategies (``gloo`` on the CPU, ``nccl`` on CUDA).
 
     Raises:
-        MisconfigurationException: for an unknown ``param_dtype``.
+        MisconfigurationException: a bad argument (in ``__init__``); blocks matching nothing or
+            parameters no unit can gather (in ``setup``).
 
     Example::
 
-        >>> from lightning_memopt.models import create_model
-        >>> strategy = MemoptFSDPStrategy()
-        >>> strategy.find_blocks(create_model("sapiens_tiny")).describe_blocks()
-        '8 blocks (ViTBlock ×2, ConvNormAct ×6; declared)'
+        >>> strategy = MemoptFSDPStrategy(cpu_offload=True)
+        >>> strategy.cpu_offload, strategy.reshard_after_forward
+        (True, True)
     """
 
     def __init__(
         self,
-        param_dtype: str = "bf16",
-        checkpointing: bool = True,
-        sharding_strategy: str = "FULL_SHARD",
-        state_dict_type: str = "sharded",
-        **kwargs: Any,
+        cpu_offload: bool = False,
+        reshard_after_forward: bool = True,
+        param_dtype: str = "auto",
+        blocks: ModuleSpec | Iterable[ModuleSpec] = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        try:
-            mixed_precision = mixed_precision_policy(param_dtype)
-        except ValueError as error:
-            raise MisconfigurationException(str(error)) from None
-        self.shard_units = ModelBlocks(sharded=True)
-        self.checkpointed_blocks = ModelBlocks()
-        kwargs.setdefault("auto_wrap_policy", CustomPolicy(self.shard_units))
-        if checkpointing:
-            kwargs.setdefault("activation_checkpointing_policy", CustomPolicy(self.checkpointed_blocks))
-        if mixed_precision is not None:
-            kwargs.setdefault("mixed_precision", mixed_precision)
-        super().__init__(sharding_strategy=sharding_strategy, state_dict_type=state_dict_type, **kwargs)  # type: ignore[arg-type]
+        for name, value in (("cpu_offload", cpu_offload), ("reshard_after_forward", reshard_after_forward)):
+            if not isinstance(value, bool):
+                raise MisconfigurationException(f"MemoptFSDPStrategy: `{name}`={value!r} must be True or False")
+        if param_dtype not in PARAM_DTYPES:
+            raise MisconfigurationException(
+                f"MemoptFSDPStrategy: unknown `param_dtype`={param_dtype!r}; valid choices: {', '.join(PARAM_DTYPES)}"
+            )
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.cpu_offload = cpu_offload
+        self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
-
-    def find_blocks(self, model: nn.Module) -> ModelStructure:
-        """Find the FSDP units and checkpointed blocks of ``model`` (done when the strategy wraps it)."""
-        structure = model_structure(model)
-        self.checkpointed_blocks.use(structure)
-        self.shard_units.use(structure)
-        return structure
+        self.blocks = blocks
+        self.units: list[str] = []  # the names of the modules sharded, once set up
 
     @override
-    def _setup_model(self, model: nn.Module) -> nn.Module:
-        structure = self.find_blocks(model)
-        if structure.blocks:
-            rank_zero_info(f"fsdp_memopt: one FSDP unit and checkpoint per block: {structure.describe_blocks()}")
-        else:
-            rank_zero_warn(
-                "fsdp_memopt: the model declares no blocks and none were discovered, so it is one FSDP unit (every "
-                "parameter gathered at once) and nothing is checkpointed; give `auto_wrap_policy` and "
-                "`activation_checkpointing_policy` (sets of block classes)"
-            )
-        return super()._setup_model(model)
+    def setup_environment(self) -> None:
+        # every rank a data-parallel rank (Lightning's default splits a node's devices for tensor parallelism)
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: parameters stored in bf16
+        self._shard()
+        _materialize_distributed_module(self.model, self.root_device)  # (a model built on the meta device)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard(self) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
+
+        module = self.lightning_module
+        assert module is not None
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
+            return  # sharded already: a second fit of the same module, or its own configure_model
+        options: dict[str, Any] = {
+            "mesh": self.device_mesh["data_parallel"],
+            "reshard_after_forward": self.reshard_after_forward,
+            # pinned host memory needs an accelerator
+            "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+            if self.cpu_offload
+            else OffloadPolicy(),
+        }
+        policy = mixed_precision_policy(self.param_dtype, _plain_precision(self.precision_plugin))
+        if policy is not None:
+            options["mp_policy"] = policy
+        try:
+            self.units = shard_model(module, self.blocks, **options)
+        except ShardingError as error:
+            raise MisconfigurationException(f"fsdp_memopt: {error}") from None
+        gathered = policy.param_dtype if policy is not None else "as stored"
+        offload = "; parameters, gradients and optimizer state on the host" if self.cpu_offload else ""
+        rank_zero_info(
+            f"fsdp_memopt: {len(self.units)} units over {self.world_size} ranks, gathered {gathered}{offload}"
+        )
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if not self.cpu_offload:
+            self.model.to(self.root_device)
+            return
+        # FSDP moves the offloaded shards to the device when it gathers them; only buffers go now
+        for submodule in self.model.modules():
+            for name, buffer in submodule.named_buffers(recurse=False):
+                setattr(submodule, name, buffer.to(self.root_device))
+
+
+def _plain_precision(plugin: Any) -> str:
+    """The precision a plugin runs, or ``"switchable"`` for PrecisionSwitch's (it changes during the run)."""
+    from lightning_memopt.precision import SwitchablePrecision
+
+    if isinstance(plugin, SwitchablePrecision):
+        return "switchable"
+    return str(getattr(plugin, "precision", "32-true"))

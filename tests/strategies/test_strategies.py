@@ -8,9 +8,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_memopt.data.samplers import ShardedEvaluationSampler, evaluation_sampler
-from lightning_memopt.models import create_model
-from lightning_memopt.models.vit import ViTBlock
-from lightning_memopt.strategies import MemoptDDPStrategy, MemoptFSDPStrategy, comm_hook, mixed_precision_policy
+from lightning_memopt.strategies import MemoptDDPStrategy, comm_hook
 from lightning_memopt.strategies.powersgd_state import ResumablePowerSGD
 from tests.helpers import run_script
 
@@ -30,54 +28,6 @@ def test_registered_names_build_the_presets(name, hook):
     assert strategy._ddp_kwargs["gradient_as_bucket_view"] is True
 
 
-def test_the_fsdp_preset_shards_and_checkpoints_the_blocks_the_model_declares():
-    strategy = StrategyRegistry.get("fsdp_memopt")
-    assert isinstance(strategy, MemoptFSDPStrategy)
-    assert strategy.sharding_strategy.name == "FULL_SHARD"
-    model = create_model("sapiens_tiny", depth=3)
-    strategy.find_blocks(model)
-    units = strategy.kwargs["auto_wrap_policy"]._lambda_fn
-    checkpointed = strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._lambda_fn
-    expected = {*model.backbone.blocks, *model.head.upsample, *model.head.refine}
-    assert {m for m in model.modules() if units(m)} == expected
-    assert {m for m in model.modules() if checkpointed(m)} == expected
-    assert all(isinstance(block, ViTBlock) for block in model.backbone.blocks)
-    policy = strategy.mixed_precision
-    assert (policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype) == (
-        torch.bfloat16,
-        torch.float32,
-        torch.float32,
-    )
-    assert mixed_precision_policy("fp32") is None
-    assert MemoptFSDPStrategy(checkpointing=False)._activation_checkpointing_kwargs == {}
-
-
-def test_fsdp_memopt_shards_the_discovered_blocks_of_a_foreign_model():
-    class Layer(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1, self.fc2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.fc2(self.fc1(x).relu())
-
-    model = torch.nn.Sequential(torch.nn.Linear(2, 4), Layer(), Layer(), Layer())
-    strategy = MemoptFSDPStrategy()
-    assert strategy.find_blocks(model).describe_blocks() == "3 blocks (Layer ×3; discovered)"
-    units = strategy.kwargs["auto_wrap_policy"]._lambda_fn
-    assert [name for name, m in model.named_modules() if units(m)] == ["1", "2", "3"]
-
-
-def test_fsdp_memopt_checkpoints_a_block_without_parameters_but_makes_no_unit_of_it():
-    model = create_model("cotracker2_tiny")  # its correlation block holds no parameters
-    strategy = MemoptFSDPStrategy()
-    strategy.find_blocks(model)
-    units = strategy.kwargs["auto_wrap_policy"]._lambda_fn
-    checkpointed = strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._lambda_fn
-    assert checkpointed(model.correlation) and not units(model.correlation)
-    assert units(model.fnet) and checkpointed(model.fnet)
-
-
 @pytest.mark.parametrize(
     ("build", "message"),
     [
@@ -89,7 +39,6 @@ def test_fsdp_memopt_checkpoints_a_block_without_parameters_but_makes_no_unit_of
         (lambda: MemoptDDPStrategy(powersgd_warmup=1), r"`powersgd_warmup`=1 must be an int ≥ 2"),
         (lambda: MemoptDDPStrategy(ddp_comm_hook=print), r"give `comm_hook` \(one of none, .*\), not `ddp_comm_hook`"),
         (lambda: MemoptDDPStrategy(model_averaging_period=4), "not `model_averaging_period`"),
-        (lambda: MemoptFSDPStrategy(param_dtype="fp8"), r"Unknown `param_dtype`='fp8'; valid choices: bf16, fp16"),
     ],
 )
 def test_bad_input(build, message):
@@ -169,29 +118,6 @@ def test_two_ranks_train_with_every_preset(tmp_path):
     assert ranks[0]["checkpointed/static_graph"] is True and distance("checkpointed") < 1e-6
     seen = ranks[0]["validation_seen"] + ranks[1]["validation_seen"]
     assert sorted(seen) == list(range(11))  # 11 samples on 2 ranks: none repeated
-
-
-@pytest.mark.cuda
-def test_fsdp_memopt_trains_the_sapiens_preset_on_a_gpu(tmp_path):
-    from torch.utils.data import DataLoader
-
-    from lightning_memopt.data.synthetic_normals import SyntheticNormalsDataset
-    from lightning_memopt.tasks import NormalEstimationModule
-    from tests.helpers import quiet_trainer
-
-    module = NormalEstimationModule(backbone="sapiens_tiny", lr=2e-3, warmup_steps=0, schedule="constant")
-    loader = DataLoader(SyntheticNormalsDataset(4, (64, 48), seed=0), batch_size=2)
-    trainer = quiet_trainer(
-        accelerator="cuda", devices=1, strategy="fsdp_memopt", max_steps=2, default_root_dir=tmp_path
-    )
-    trainer.fit(module, loader)
-    wrapped = [
-        name
-        for name, child in trainer.strategy.model.named_modules()
-        if type(child).__name__.endswith("FullyShardedDataParallel")
-    ]
-    assert len(wrapped) > 1  # the root and one unit per ViT block
-    assert torch.isfinite(torch.tensor(trainer.callback_metrics["train/loss"].item()))
 
 
 def test_powersgd_pieces_are_each_parameters_factors_with_interleaved_shapes(tmp_path):

@@ -1,0 +1,117 @@
+"""Two CPU ranks (gloo), launched like torchrun, train under DDP and fsdp_memopt, one fit after another.
+
+python tests/strategies/fsdp_run.py OUT_DIR          # writes OUT_DIR/rank{0,1}.pt
+python tests/strategies/fsdp_run.py OUT_DIR single   # one rank: cpu_offload at devices=1 -> OUT_DIR/single.pt
+"""
+
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_memopt import ActivationCheckpointing
+from lightning_memopt.data.synthetic_normals import SyntheticNormalsDataset
+from lightning_memopt.strategies import MemoptFSDPStrategy
+from lightning_memopt.tasks import NormalEstimationModule
+from tests.helpers import quiet_trainer
+from tests.strategies.strategies_ddp_run import MLP, Block, data, one_batch
+
+
+class Losses(pl.Callback):
+    """Each step's training loss, and each rank's count of the parameters' elements it holds after the fit."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.local_elements = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(outputs["loss"].item())
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.local_elements = sum(_local(p).numel() for p in pl_module.parameters())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (a sharded one gathered from the ranks)."""
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in module.named_parameters()
+    }
+
+
+def normals() -> tuple[NormalEstimationModule, DataLoader]:
+    torch.manual_seed(0)
+    module = NormalEstimationModule(backbone="sapiens_tiny", lr=2e-3, warmup_steps=0, schedule="constant")
+    return module, DataLoader(SyntheticNormalsDataset(16, (64, 48), seed=0), batch_size=2)
+
+
+def fit(strategy, steps, module=None, loader=None, devices=2, **options):
+    module = MLP() if module is None else module
+    recorder = Losses()
+    callbacks = [recorder, *options.pop("callbacks", [])]
+    ckpt_path = options.pop("ckpt_path", None)
+    trainer = quiet_trainer(strategy=strategy, devices=devices, max_steps=steps, callbacks=callbacks, **options)
+    trainer.fit(module, data() if loader is None else loader, ckpt_path=ckpt_path)
+    return module, trainer, recorder
+
+
+def run(rank: int, out_dir: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")  # fmt: skip
+    result = {}
+    for name, strategy in (("ddp", "ddp"), ("fsdp", "fsdp_memopt"), ("offload", MemoptFSDPStrategy(cpu_offload=True))):
+        module, trainer, recorder = fit(strategy, 6, gradient_clip_val=0.5)
+        result[name] = recorder.losses
+        result[f"{name}/elements"] = recorder.local_elements
+        result[f"{name}/parameters"] = full_parameters(module)
+    result["fsdp/units"] = trainer.strategy.units
+    _, _, recorder = fit("fsdp_memopt", 6, gradient_clip_val=0.5, callbacks=[ActivationCheckpointing(policy=[Block])])
+    result["checkpointed"] = recorder.losses
+    for name in ("ddp", "fsdp_memopt"):
+        module, loader = normals()
+        _, trainer, recorder = fit(name, 4, module, loader)
+        result[f"normals/{name}"] = recorder.losses
+    trainer.save_checkpoint(f"{out_dir}/normals.ckpt")  # fsdp_memopt's folder of shards
+    result["normals/elements"] = sum(p.numel() for p in normals()[0].parameters())
+
+    # 6 steps straight, and 3 saved then resumed to 6, from the folder of shards and from one file (the same
+    # batch every step: Lightning replays a resumed epoch from its start)
+    module, _, recorder = fit("fsdp_memopt", 6, loader=one_batch(), use_distributed_sampler=False)
+    result["straight"], result["straight/losses"] = full_parameters(module), recorder.losses
+    for layout, distributed in (("sharded", True), ("full", False)):
+        path = f"{out_dir}/{layout}.ckpt"
+        strategy = MemoptFSDPStrategy(save_distributed_checkpoint=distributed)
+        module, trainer, _ = fit(strategy, 3, loader=one_batch(), use_distributed_sampler=False)
+        trainer.save_checkpoint(path)
+        result[f"saved/{layout}"] = full_parameters(module)
+        strategy = MemoptFSDPStrategy(save_distributed_checkpoint=distributed)
+        module, _, recorder = fit(strategy, 6, loader=one_batch(), use_distributed_sampler=False, ckpt_path=path)
+        result[f"resumed/{layout}"] = full_parameters(module)
+        result[f"resumed/{layout}/losses"] = recorder.losses
+    torch.save(result, f"{out_dir}/rank{rank}.pt")
+
+
+def single(out_dir: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    result = {}
+    for name, strategy in (("plain", "auto"), ("offload", MemoptFSDPStrategy(cpu_offload=True))):
+        module, _, recorder = fit(strategy, 6, devices=1, use_distributed_sampler=False)
+        result[name] = recorder.losses
+        result[f"{name}/parameters"] = full_parameters(module)
+    torch.save(result, f"{out_dir}/single.pt")
+
+
+if __name__ == "__main__":
+    port = 29500 + os.getpid() % 1000
+    if sys.argv[2:] == ["single"]:
+        single(sys.argv[1], port)
+    else:
+        mp.spawn(run, args=(sys.argv[1], port), nprocs=2)
