@@ -16,7 +16,7 @@ from lightning_memopt.strategies import (
     mixed_precision_policy,
     shard_units,
 )
-from tests.helpers import run_script
+from tests.helpers import run_memopt_train, run_script
 from tests.strategies.strategies_ddp_run import MLP
 
 
@@ -178,6 +178,17 @@ def test_cpu_offload_on_one_device_equals_the_plain_run(tmp_path):
     single = torch.load(tmp_path / "single.pt", weights_only=False)
     assert single["offload"] == single["plain"]
     assert _distance(single["offload/parameters"], single["plain/parameters"]) == 0.0
+
+
+@pytest.mark.distributed
+def test_memopt_train_shards_a_tiny_sapiens_over_two_cpu_ranks(tmp_path):
+    args = ["experiment=sapiens_2b_normal", "model=sapiens_tiny", "model.warmup_steps=1", "data.image_size=[64,48]",
+            "trainer=cpu", "trainer.max_steps=2", "trainer.limit_val_batches=1", "strategy=fsdp_memopt",
+            "trainer.devices=2", "trainer.strategy.cpu_offload=true", f"paths.output_dir={tmp_path}"]  # fmt: skip
+    result = run_memopt_train(args, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "fsdp_memopt: 9 units over 2 ranks" in result.stdout + result.stderr
+    assert "optimizer steps   2" in result.stdout
 
 
 @pytest.mark.cuda
