@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -176,6 +177,41 @@ class MemoptFSDPStrategy(ModelParallelStrategy):
         rank_zero_info(
             f"fsdp_memopt: {len(self.units)} units over {self.world_size} ranks, gathered {gathered}{offload}"
         )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._explained():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._explained():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._explained():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._explained():
+            return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    def _explained(self) -> Iterator[None]:
+        """A parameter used while sharded (torch's "mixed torch.Tensor and DTensor"), with its cause and remedy."""
+        try:
+            yield
+        except RuntimeError as error:
+            if "mixed torch.Tensor and DTensor" not in str(error):
+                raise
+            raise RuntimeError(
+                f"fsdp_memopt: a parameter was used while sharded ({error}). Its unit's forward was not called: the "
+                "step calls a submodule of a unit directly, or a unit's method other than forward. The units are "
+                f"{', '.join(self.units)}; pass `blocks=` (classes, dotted paths, globs) so that every module the "
+                "step calls is a unit or inside one"
+            ) from error
 
     @override
     def model_to_device(self) -> None:

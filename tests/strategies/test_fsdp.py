@@ -16,7 +16,7 @@ from lightning_memopt.strategies import (
     mixed_precision_policy,
     shard_units,
 )
-from tests.helpers import run_memopt_train, run_script
+from tests.helpers import quiet_trainer, run_memopt_train, run_script
 from tests.strategies.strategies_ddp_run import MLP
 
 
@@ -118,6 +118,33 @@ def test_consolidating_something_else_says_what_it_is(tmp_path):
         consolidate_checkpoint(tmp_path / "file.ckpt")
     with pytest.raises(FileNotFoundError, match=r"is not a sharded checkpoint .*: a folder"):
         consolidate_checkpoint(tmp_path)
+
+
+class CallsInside(pl.LightningModule):
+    """Its step calls the submodules of `net` one by one, never `net` itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Module()
+        self.net.stem, self.net.blocks, self.net.out = nn.Linear(2, 4), nn.Sequential(Layer(), Layer()), nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.net.out(self.net.blocks(self.net.stem(batch))).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_submodule_called_past_its_unit_is_explained_and_blocks_fix_it():
+    loader = torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2)
+    with pytest.raises(
+        RuntimeError, match=r"fsdp_memopt: a parameter was used while sharded .* units are net.blocks.0"
+    ):
+        quiet_trainer(strategy=MemoptFSDPStrategy(), max_steps=1).fit(CallsInside(), loader)
+    torch.distributed.destroy_process_group()
+    strategy = MemoptFSDPStrategy(blocks=["net.stem", "net.blocks.*", "net.out"])
+    quiet_trainer(strategy=strategy, max_steps=1).fit(CallsInside(), loader)
+    assert strategy.units == ["net.stem", "net.blocks.0", "net.blocks.1", "net.out"]
 
 
 @pytest.fixture(scope="module")
