@@ -138,7 +138,7 @@ class CallsInside(pl.LightningModule):
 def test_a_submodule_called_past_its_unit_is_explained_and_blocks_fix_it():
     loader = torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2)
     with pytest.raises(
-        RuntimeError, match=r"fsdp_memopt: a parameter was used while sharded .* units are net.blocks.0"
+        RuntimeError, match=r"a parameter was used while sharded .* units are net.blocks.0"
     ):
         quiet_trainer(strategy=MemoptFSDPStrategy(), max_steps=1).fit(CallsInside(), loader)
     torch.distributed.destroy_process_group()
