@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -76,8 +78,47 @@ def run_script(script: Path, args: list[str], cwd: Path, timeout: float = 600) -
 
 
 def run_python(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_ranks(
+    script: Path, args: list[str], cwd: Path, timeout: float, world_size: int = 2
+) -> list[subprocess.CompletedProcess]:
+    """Run ``python SCRIPT ARGS`` as ``world_size`` ranks started like torchrun's, in ``cwd``; one result per rank.
+
+    No launcher watches them (Lightning's would kill the others when one fails), so each rank must
+    end by itself. Raises ``subprocess.TimeoutExpired`` once ``timeout`` seconds have passed with a
+    rank still running, after killing every rank; ``cwd/rank{r}.log`` holds each rank's output.
+    """
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), NODE_RANK="0")
+    logs = [cwd / f"rank{rank}.log" for rank in range(world_size)]
+    command = [sys.executable, str(script), *args]
+    ranks = []
+    for rank, log in enumerate(logs):
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        with log.open("w") as output:  # a file, not a pipe: a rank blocked on a full pipe would hold up the others
+            ranks.append(subprocess.Popen(command, cwd=cwd, env=rank_env, stdout=output, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        for process in ranks:
+            process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return [
+        subprocess.CompletedProcess(command, p.returncode, log.read_text(), "")
+        for p, log in zip(ranks, logs, strict=True)
+    ]
+
+
+def _env(**variables: str) -> dict[str, str]:
+    """This environment with the checkout importable (``tests.…`` included), and ``variables``."""
+    return {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **variables}
 
 
 def write_face_folder(root: Path, counts: dict[str, int], size: tuple[int, int] = (16, 16), seed: int = 0) -> Path:

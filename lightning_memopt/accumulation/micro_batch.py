@@ -127,6 +127,25 @@ class MicroBatchSizeError(ValueError):
         self.min_size = min_size
 
 
+class RanksOutOfStepError(RuntimeError):
+    """A step failed in the middle of its collectives (FSDP): the ranks cannot realign, every rank stops.
+
+    The rank whose step ran out of memory says so; the other ranks say that a collective failed
+    because another rank stopped. Both name the micro-batch size to resume with.
+
+    Attributes:
+        rank: the rank raising it.
+        micro_batch_size: the micro-batch size the step ran with (the whole batch's size without micro-batches).
+        resume_size: the micro-batch size to resume from the last checkpoint with (``None``: none is smaller).
+    """
+
+    def __init__(self, message: str, rank: int, micro_batch_size: int | None, resume_size: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.micro_batch_size = micro_batch_size
+        self.resume_size = resume_size
+
+
 @dataclass
 class MicroBatchResult:
     """What one batch's micro-batches produced."""
@@ -188,6 +207,11 @@ class MicroBatchRunner:
     ends in a :class:`MicroBatchSizeError` (or, redoing a piece that ran out of memory, in a
     :class:`SampleOutOfMemoryError`).
 
+    With ``lockstep`` the micro-batches' forward and backward passes are collectives themselves
+    (FSDP gathers each unit's parameters and reduce-scatters its gradients): every rank runs as
+    many micro-batches, checked before the first, and an error in one is raised as it is, with no
+    retry, since the other ranks are waiting in its collectives.
+
     Args:
         module: whose parameters take gradients and whose buffers (batch-norm statistics) are
             restored when a micro-batch fails part-way.
@@ -197,6 +221,7 @@ class MicroBatchRunner:
         agree: element-wise maximum over ranks; ``None`` for one process.
         min_size: the smallest micro-batch the model takes (2 with batch norm in training).
         min_size_reason: why, for the error messages (e.g. ``"its BatchNorm1d layers need ..."``).
+        lockstep: every rank runs the same micro-batches in step with the others, and nothing is retried.
 
     Raises:
         ValueError: for an unknown ``loss_reduction`` or a ``min_size`` below 1.
@@ -223,6 +248,7 @@ class MicroBatchRunner:
         agree: Agree | None = None,
         min_size: int = 1,
         min_size_reason: str | None = None,
+        lockstep: bool = False,
     ) -> None:
         check_loss_reduction(loss_reduction)
         self.module = module
@@ -231,6 +257,7 @@ class MicroBatchRunner:
         self.agree = agree
         self.min_size = min_size
         self.min_size_reason = min_size_reason
+        self.lockstep = lockstep
         self.learned_min_size: int | None = None  # set when an error on a smaller piece taught the minimum
         self.learned_min_size_reason: str | None = None
 
@@ -277,7 +304,8 @@ class MicroBatchRunner:
             MicroBatchSizeError: when a piece smaller than one already tried raises another error
                 (the model rejects that size; on every rank). ``min_size`` is raised above it.
             BatchSplitError: for a ``micro_batch_size`` with a batch that cannot be split.
-            ValueError: for a batch without samples.
+            ValueError: for a batch without samples; in ``lockstep``, on every rank, when the ranks' batches
+                cut into different numbers of micro-batches.
         """
         try:
             total, unsplittable = batch_size(batch), None
@@ -289,6 +317,8 @@ class MicroBatchRunner:
             raise ValueError("`batch` has no samples: there is nothing to run")
         size = total if micro_batch_size is None else min(max(int(micro_batch_size), self.min_size, 1), total)
         run = _Run(batch, total, step, backward, weight, unsplittable=unsplittable)
+        if self.lockstep:
+            self._check_same_pieces(total, size)
         parameters = [p for p in self.module.parameters() if p.requires_grad] if backward is not None else []
         run.covered = [0] * len(parameters)
         handles = [p.register_post_accumulate_grad_hook(self._coverage(run, i)) for i, p in enumerate(parameters)]
@@ -328,6 +358,20 @@ class MicroBatchRunner:
 
     def _agree(self, values: list[int]) -> list[int]:
         return values if self.agree is None else [int(v) for v in self.agree(values)]
+
+    def _check_same_pieces(self, total: int, size: int) -> None:
+        """Raise on every rank unless every rank cuts its batch into as many micro-batches."""
+        pieces, position = 0, 0
+        while position < total:
+            position += self._next_piece(total - position, size)
+            pieces += 1
+        most, negative_fewest = self._agree([pieces, -pieces])
+        if most != -negative_fewest:
+            raise ValueError(
+                f"in lockstep every rank runs as many micro-batches, but the ranks' batches make {-negative_fewest} "
+                f"to {most} (here a batch of {_samples(total)} in micro-batches of {size} makes {pieces}); give every "
+                "rank batches of the same size"
+            )
 
     def _next_piece(self, remaining: int, size: int) -> int:
         """How many of ``remaining`` samples the next piece takes: ``size``, unless that leaves too few for a piece."""
@@ -429,10 +473,12 @@ class MicroBatchRunner:
         largest_before, run.largest_tried = run.largest_tried, max(run.largest_tried, stop - start)
         snapshot: dict[str, torch.Tensor] = {}
         try:
-            if run.backward is not None:  # batch-norm statistics, put back if the piece fails part-way
+            if run.backward is not None and not self.lockstep:  # batch-norm statistics, put back if the piece fails
                 snapshot = {name: buffer.clone() for name, buffer in self.module.named_buffers()}
             self._forward_backward(run, _piece(run, start, stop), stop - start)
         except Exception as error:
+            if self.lockstep:
+                raise
             oom = is_oom_error(error)
             if not oom and not self._rejects_size(run, error, stop - start, largest_before):
                 raise

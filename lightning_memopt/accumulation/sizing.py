@@ -20,7 +20,8 @@ class MicroBatchSizer:
     ``min_size``, the smallest micro-batch the model takes (a batch of fewer samples runs whole).
 
     Args:
-        size: the first micro-batch size (``None``: whole batches), e.g. from the planner.
+        size: the first micro-batch size (``None``: whole batches), e.g. from the planner. A run
+            resumed from a checkpoint keeps the checkpoint's size unless this one is smaller.
         shrink: ``size -> smaller size`` (default: halve).
         grow_after: optimizer steps without an error before doubling; ``None`` never grows.
         thrash_steps: consecutive steps with allocator retries that shrink pre-emptively; ``None``: off.
@@ -112,7 +113,9 @@ class MicroBatchSizer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.size = state.get("size", self.size)
+        saved = state.get("size", self.size)
+        if self.size is None or (saved is not None and saved < self.size):  # a smaller size given now wins
+            self.size = saved
         if state.get("grow_after") == self.grow_after:  # a run resumed with another `grow_after` starts afresh
             self.grow_interval = state.get("grow_interval", self.grow_interval)
         self.oom_recoveries = state.get("oom_recoveries", 0)

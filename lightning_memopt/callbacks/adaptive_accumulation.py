@@ -22,6 +22,7 @@ from lightning_memopt.accumulation import (
     BatchSplitError,
     MicroBatchResult,
     MicroBatchRunner,
+    RanksOutOfStepError,
     SampleOutOfMemoryError,
     batch_norms,
     batch_size,
@@ -32,7 +33,9 @@ from lightning_memopt.accumulation.micro_batch import Shrink, check_loss_reducti
 from lightning_memopt.accumulation.schedule import AccumulationSchedule
 from lightning_memopt.accumulation.sizing import MicroBatchSizer
 from lightning_memopt.memory.allocator import allocator_retries
+from lightning_memopt.memory.oom import is_oom_error
 from lightning_memopt.memory.profile import PRECISIONS, profile_step
+from lightning_memopt.strategies import MemoptFSDPStrategy
 
 _EVAL_STEPS = {"validate": ("validation_step",), "test": ("test_step",), "predict": ("predict_step",)}
 
@@ -62,7 +65,17 @@ class AdaptiveAccumulation(Callback):
     ``batch_coupled_loss`` attribute (the face task with TopoFR's topological loss does).
     A training step's ``self.log(..., on_step=True)`` shows the last micro-batch's value, while
     ``on_epoch`` means are weighted by micro-batch size and exact. Needs automatic optimization,
-    and a single-device or DDP strategy.
+    and a single-device, DDP or ``fsdp_memopt`` strategy.
+
+    Under ``fsdp_memopt`` (:class:`~lightning_memopt.strategies.MemoptFSDPStrategy`) the
+    micro-batches run as planned (``micro_batch_size``, the planner's), each reduce-scattering
+    its gradients into the shards, and the allocator-retry shrink works, but an out-of-memory
+    error is not recovered: every micro-batch's forward and backward are collectives (each unit's
+    all-gather and reduce-scatter), so a rank that fails in the middle leaves the others waiting
+    in them, and the ranks cannot realign. That rank aborts its process groups, so that the
+    others' collectives fail at once instead of at their timeout, and every rank stops with a
+    :class:`~lightning_memopt.accumulation.RanksOutOfStepError` naming the micro-batch size to
+    resume from the last checkpoint with. Evaluation batches run whole, the same way.
 
     Args:
         micro_batch_size: the first micro-batch size (e.g. from the planner); ``None`` starts
@@ -79,14 +92,15 @@ class AdaptiveAccumulation(Callback):
 
     Raises:
         MisconfigurationException: for a bad argument; in ``setup``, manual optimization, a
-            strategy other than single-device or DDP, or an ``accumulate_schedule`` together with
-            ``Trainer(accumulate_grad_batches=...)``.
+            strategy other than single-device, DDP or ``fsdp_memopt``, ``grow_after`` under
+            ``fsdp_memopt``, or an ``accumulate_schedule`` together with ``Trainer(accumulate_grad_batches=...)``.
         SampleOutOfMemoryError: during training, when the smallest micro-batch the model takes
             (one sample; two with batch norm in training) does not fit. The error carries the
             memory profile of a step on that micro-batch.
         MicroBatchSizeError: during training, when a last, smaller micro-batch of a batch raised
             an error its larger ones did not: the model does not take so few samples. Later batches
             (and a resumed run) keep their micro-batches above that size.
+        RanksOutOfStepError: under ``fsdp_memopt``, on every rank, after an out-of-memory error on one.
 
     Example::
 
@@ -131,17 +145,28 @@ class AdaptiveAccumulation(Callback):
         self._allocator_retries = 0
         self._batch_idx = 0  # of the batch in training: a training_step need not take `batch_idx`
         self._accumulate: int | None = None  # accumulate_grad_batches the schedule set (saved in checkpoints)
+        self._lockstep = False  # under fsdp_memopt: every micro-batch is collectives, nothing is retried
 
     # ---------------------------------------------------------------- setup and teardown
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         strategy = trainer.strategy
         self._norms = None  # listed again at this run's first batch
-        if not isinstance(strategy, SingleDeviceStrategy | DDPStrategy) or strategy.handles_gradient_accumulation:
+        supported = SingleDeviceStrategy | DDPStrategy | MemoptFSDPStrategy
+        if not isinstance(strategy, supported) or strategy.handles_gradient_accumulation:
             raise MisconfigurationException(
-                f"AdaptiveAccumulation works with single-device and DDP strategies, not {type(strategy).__name__}"
+                "AdaptiveAccumulation works with single-device, DDP and fsdp_memopt strategies, not "
+                f"{type(strategy).__name__}"
             )
-        if trainer.world_size > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules()):
+        self._lockstep = isinstance(strategy, MemoptFSDPStrategy)
+        if self._lockstep and self.sizer.grow_after is not None:
+            raise MisconfigurationException(
+                f"AdaptiveAccumulation: `grow_after`={self.sizer.grow_after!r} under fsdp_memopt, where a micro-batch "
+                "grown too large runs out of memory and stops the run (the ranks cannot realign in the middle of a "
+                "step); leave `grow_after=None` and give a `micro_batch_size` that fits"
+            )
+        syncing = trainer.world_size > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules())
+        if syncing and not self._lockstep:  # (under fsdp_memopt no error is recovered anyway)
             rank_zero_warn(
                 "AdaptiveAccumulation: SyncBatchNorm runs collectives inside the forward pass. An out-of-memory error "
                 "on one rank in the middle of them cannot be realigned with the other ranks: give a "
@@ -152,7 +177,9 @@ class AdaptiveAccumulation(Callback):
         if stage == "fit":
             self._check_fit(trainer, pl_module)
             agree = self._agree_across_ranks(strategy.root_device) if trainer.world_size > 1 else None
-            self._train_runner = MicroBatchRunner(pl_module, self.shrink, self.loss_reduction, agree)
+            self._train_runner = MicroBatchRunner(
+                pl_module, self.shrink, self.loss_reduction, agree, lockstep=self._lockstep
+            )
             self._set_min_size(self._train_runner, pl_module)
             self._allocator_retries = allocator_retries(strategy.root_device)
             steps = ("training_step", *steps)
@@ -269,14 +296,15 @@ class AdaptiveAccumulation(Callback):
             self._warn_batch_coupling(pl_module, size, total)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         try:
-            result = self._train_runner.run(
-                step,
-                batch,
-                size,
-                backward=lambda loss: _backward(pl_module, loss, scaler),
-                weight=1.0 / accumulate,
-                flags=[self._allocator_retried_since_last_batch(trainer)],
-            )
+            with self._stop_every_rank_on_error(trainer, "training_step", size, total):
+                result = self._train_runner.run(
+                    step,
+                    batch,
+                    size,
+                    backward=lambda loss: _backward(pl_module, loss, scaler),
+                    weight=1.0 / accumulate,
+                    flags=[self._allocator_retried_since_last_batch(trainer)],
+                )
         except SampleOutOfMemoryError as error:
             raise self._with_profile(error, trainer, pl_module) from None
         finally:
@@ -302,6 +330,73 @@ class AdaptiveAccumulation(Callback):
         self.last_micro_batch_size = min(result.micro_batch_size, total)
         self.last_micro_batches = len(result.sizes)
         return _deliver(pl_module, result)
+
+    @contextlib.contextmanager
+    def _stop_every_rank_on_error(
+        self, trainer: Trainer, hook: str, size: int | None, total: int | None
+    ) -> Iterator[None]:
+        """Under fsdp_memopt, an error in the middle of a step stops every rank at once, saying how to resume.
+
+        The rank that fails aborts its process groups, so that the others' pending collectives fail
+        now instead of at their timeout; an out-of-memory error there, and the failed collective on
+        the other ranks, become a :class:`RanksOutOfStepError`. ``size`` and ``total``: the
+        micro-batch and batch sizes of the step (``None``: whole, a batch that cannot be split).
+        """
+        try:
+            yield
+        except Exception as error:
+            if not self._lockstep:
+                raise
+            if trainer.world_size > 1:
+                _abort_process_groups()
+            stopped = self._out_of_step(error, trainer, hook, size, total)
+            if stopped is None:
+                raise
+            raise stopped from error
+
+    def _out_of_step(
+        self, error: Exception, trainer: Trainer, hook: str, size: int | None, total: int | None
+    ) -> RanksOutOfStepError | None:
+        """What every rank stops with after ``error``: this rank's out-of-memory error, or another rank's leaving."""
+        oom = is_oom_error(error)
+        if not oom and not _collective_failed(error):
+            return None
+        rank = trainer.global_rank
+        batches = _batches(size, total)
+        if hook == "training_step":
+            where = f"at step {trainer.global_step} with {batches}"
+            resume = self._resume_size(size)
+            advice = (
+                f"resume from the last checkpoint with AdaptiveAccumulation(micro_batch_size={resume}), or plan the "
+                "run (memopt=planned)"
+                if resume is not None
+                else "lower the memory per sample (ActivationCheckpointing, PrecisionSwitch('auto'), "
+                "MemoptFSDPStrategy(cpu_offload=True)) and resume from the last checkpoint"
+            )
+        else:
+            where, resume = f"in {hook} with {batches}", None
+            advice = f"give the {hook.removesuffix('_step')} dataloader smaller batches"
+        if oom:
+            cause = f"{type(error).__name__}: {str(error)[:160]}"
+            what = f"out of memory on rank {rank} {where} under fsdp_memopt ({cause})"
+            then = f"To go on, {advice}."
+        else:
+            what = f"a collective failed on rank {rank} {where} under fsdp_memopt: another rank stopped in the middle"
+            then = f"That rank's error says why; after an out-of-memory error there, {advice}."
+        return RanksOutOfStepError(
+            f"AdaptiveAccumulation: {what}. The ranks cannot realign in the middle of a step (its forward and backward "
+            f"passes are collectives: each unit's all-gather and reduce-scatter), so every rank stops. {then}",
+            rank,
+            size,
+            resume,
+        )
+
+    def _resume_size(self, size: int | None) -> int | None:
+        """The micro-batch size to resume with after ``size`` ran out of memory (``None``: none smaller is taken)."""
+        least = self.sizer.min_size
+        if size is None or size <= least:
+            return None
+        return max(self.shrink(size), least)
 
     def _allocator_retried_since_last_batch(self, trainer: Trainer) -> int:
         if self.sizer.thrash_steps is None:
@@ -403,6 +498,9 @@ class AdaptiveAccumulation(Callback):
             self._set_min_size(self._eval_runner, pl_module, cached=True)  # in eval mode: batch norm takes one sample
             batch = args[0] if args else kwargs["batch"]
             total = _size_or_none(batch)
+            if self._lockstep:  # whole batches: chunks after an error would leave the ranks out of step
+                with self._stop_every_rank_on_error(trainer, name, None, total):
+                    return original(*args, **kwargs)
             size = None if total is None or self.eval_micro_batch_size is None else self.eval_micro_batch_size
             try:
                 result = self._eval_runner.run(_on_chunks(trainer, original, args, kwargs), batch, size)
@@ -455,9 +553,11 @@ class _DeliverGradients(torch.autograd.Function):
     """Forward: the batch's loss, detached. Backward: the gradients the micro-batches accumulated.
 
     Lightning's own backward on this output hands every parameter its gradient. That lets DDP's
-    reducer all-reduce it once per step, and it runs the backward hooks once per batch. The
-    gradients already carry the loss weights and the gradient scaler's scale, so the incoming
-    gradient (``scale / accumulate_grad_batches``) is not applied to them again.
+    reducer all-reduce it once per step, and it runs the backward hooks once per batch. Under
+    FSDP each micro-batch's backward has reduce-scattered its gradients already: the sharded
+    gradients (DTensors) are handed back as they are. The gradients already carry the loss
+    weights and the gradient scaler's scale, so the incoming gradient (``scale /
+    accumulate_grad_batches``) is not applied to them again.
     """
 
     @staticmethod
@@ -488,6 +588,34 @@ def _backward(pl_module: LightningModule, loss: torch.Tensor, scaler: Any) -> No
     # outside the training step's autocast, as Lightning runs its backward; through the module's `backward` hook
     with torch.autocast(loss.device.type, enabled=False):
         pl_module.backward(scaler.scale(loss) if scaler is not None else loss)
+
+
+def _batches(size: int | None, total: int | None) -> str:
+    if total is None:
+        return "a batch that cannot be split"
+    if size is None or size >= total:
+        return f"whole batches of {total}"
+    return f"micro-batches of {size} (of {total})"
+
+
+def _collective_failed(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because another rank left: torch's typed errors, gloo's messages."""
+    return isinstance(error, torch.distributed.DistError) or "/gloo/" in str(error)
+
+
+def _abort_process_groups() -> None:
+    """Abort this rank's process groups: the other ranks' pending collectives fail now, not at their timeout.
+
+    With gloo their sends and receives fail as soon as the connections close (within a second on the
+    CPU). NCCL communicators are aborted rather than flushed; a peer blocked in a kernel stops when
+    its watchdog or the launcher (torchrun, Lightning's) ends it, at the latest at the ``timeout``.
+    """
+    # private API: the public destroy_process_group() flushes pending NCCL collectives first, which would wait for
+    # the ones the other ranks never join; there is no public abort
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    if torch.distributed.is_initialized():
+        _abort_process_group()
 
 
 def _size_or_none(batch: Any) -> int | None:

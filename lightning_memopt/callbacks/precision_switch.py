@@ -26,6 +26,7 @@ from lightning_memopt.precision import (
 )
 from lightning_memopt.precision.schedule import check_interval
 from lightning_memopt.selection import ModuleSpec, normalise_specs
+from lightning_memopt.strategies import MemoptFSDPStrategy
 
 
 class PrecisionSwitch(Callback):
@@ -33,7 +34,11 @@ class PrecisionSwitch(Callback):
 
     Installs :class:`~lightning_memopt.precision.SwitchablePrecision` as the Trainer's precision
     plugin (leave ``Trainer(precision=...)`` at its default). Switches happen between optimizer
-    steps, at the start of an accumulation window; under DDP every rank switches at the same step.
+    steps, at the start of an accumulation window; under DDP and ``fsdp_memopt`` every rank
+    switches at the same step, and a non-finite value on any rank makes every rank skip the step.
+    Under ``fsdp_memopt`` the units are gathered in fp32 as stored, autocast computes in the
+    precision of the moment, the fail-safe checks each rank's gradient shards, and 16-mixed's
+    gradient scaler finds an overflow in any rank's shards on every rank (DTensor reduces its check).
     ``memopt/precision`` logs the compute dtype's mantissa bits each step (23 = 32-true,
     7 = bf16-mixed, 10 = 16-mixed) and ``memopt/skipped_steps`` the steps the fail-safe skipped.
 
@@ -54,8 +59,9 @@ class PrecisionSwitch(Callback):
 
     Raises:
         MisconfigurationException: a bad argument (in ``__init__``); in ``setup``, a Trainer with
-            its own precision, a strategy other than single-device or DDP, bf16 on a device without
-            it, or ``fp32_modules`` that match nothing.
+            its own precision, a strategy other than single-device, DDP or ``fsdp_memopt`` (or that
+            with a ``param_dtype`` of its own), bf16 on a device without it, or ``fp32_modules`` that
+            match nothing.
 
     Example::
 
@@ -99,10 +105,16 @@ class PrecisionSwitch(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         strategy = trainer.strategy
-        if not isinstance(strategy, SingleDeviceStrategy | DDPStrategy):
+        if not isinstance(strategy, SingleDeviceStrategy | DDPStrategy | MemoptFSDPStrategy):
             raise MisconfigurationException(
-                f"PrecisionSwitch works with single-device and DDP strategies, not {type(strategy).__name__}; "
-                "give a sharded strategy its precision through its own plugin"
+                "PrecisionSwitch works with single-device, DDP and fsdp_memopt strategies, not "
+                f"{type(strategy).__name__}; give another sharded strategy its precision through its own plugin"
+            )
+        if isinstance(strategy, MemoptFSDPStrategy) and strategy.param_dtype not in ("auto", "fp32"):
+            raise MisconfigurationException(
+                f"PrecisionSwitch: MemoptFSDPStrategy(param_dtype={strategy.param_dtype!r}) would gather the units in "
+                "that dtype whatever precision PrecisionSwitch chooses; leave `param_dtype` at 'auto' (gathered as "
+                "stored, computed in the switched precision)"
             )
         current = strategy.precision_plugin
         if self.plugin is None or current is not self.plugin:

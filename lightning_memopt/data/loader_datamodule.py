@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_memopt.data.samplers import evaluation_sampler
@@ -118,6 +119,11 @@ class LoaderDataModule(LightningDataModule):
         return self.evaluation_loader(dataset)
 
     def evaluation_loader(self, dataset: Dataset) -> DataLoader:
-        """Batches of ``dataset`` in order; under DDP each rank a share, each sample once (no padding)."""
-        sampler = evaluation_sampler(dataset)  # type: ignore[arg-type]
+        """Batches of ``dataset`` in order; under DDP each rank a share, each sample once (no padding).
+
+        Under a sharded strategy (FSDP) the ranks run the same number of batches, a few samples repeated.
+        """
+        strategy = getattr(self.trainer, "strategy", None)
+        sharded = isinstance(strategy, FSDPStrategy | ModelParallelStrategy)  # (fsdp_memopt builds on the latter)
+        sampler = evaluation_sampler(dataset, sharded_model=sharded)  # type: ignore[arg-type]
         return DataLoader(dataset, batch_size=self.val_batch_size, sampler=sampler, **self.loader_options)

@@ -32,13 +32,22 @@ class ShardedEvaluationSampler(DistributedSampler):
         return iter(range(self.rank, self.total_size, self.num_replicas))
 
 
-def evaluation_sampler(dataset: Sized) -> ShardedEvaluationSampler | None:
+def evaluation_sampler(dataset: Sized, sharded_model: bool = False) -> ShardedEvaluationSampler | None:
     """A :class:`ShardedEvaluationSampler` while a multi-rank process group runs, else ``None``.
 
     ``None`` means in order on one device, and under DDP Lightning's padding sampler: that is kept
     for a set smaller than the world size, where some rank would get no batch, skip the loop, and
-    leave the others waiting in its end-of-epoch collectives.
+    leave the others waiting in its end-of-epoch collectives. It is kept as well for a
+    ``sharded_model`` (FSDP), whose every forward gathers parameters with the other ranks: they
+    must run the same number of batches, so a few samples repeat, as Lightning pads them.
+
+    Example::
+
+        >>> evaluation_sampler(range(10)) is None   # no process group: in order
+        True
     """
+    if sharded_model:
+        return None
     if dist.is_available() and dist.is_initialized() and 1 < dist.get_world_size() <= len(dataset):
         return ShardedEvaluationSampler(dataset)
     return None

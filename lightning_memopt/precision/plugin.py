@@ -163,8 +163,12 @@ class SwitchablePrecision(Precision):
         return step_output
 
     def _nonfinite(self, model: pl.LightningModule, optimizer: Any, loss: Any) -> tuple[bool, bool]:
-        """Whether the loss, and the gradients, are non-finite on any rank."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        """Whether the loss, and the gradients, are non-finite on any rank.
+
+        Each rank looks at the gradients it holds (its shards under FSDP) and the flags are summed
+        over ranks, so every rank takes the same decision.
+        """
+        grads = [_local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         strategy = model.trainer.strategy
         flags = torch.zeros(2, device=strategy.root_device)
         if isinstance(loss, torch.Tensor):
@@ -244,3 +248,10 @@ class SwitchablePrecision(Precision):
         self.consecutive_nonfinite = state_dict.get("consecutive_nonfinite", 0)
         self.skipped_steps = state_dict.get("skipped_steps", 0)
         self.history = list(state_dict.get("history", []))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (FSDP's sharded gradients), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

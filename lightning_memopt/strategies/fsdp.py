@@ -136,6 +136,14 @@ class MemoptFSDPStrategy(ModelParallelStrategy):
         super().setup_environment()
 
     @override
+    def _get_process_group_backend(self) -> str:  # (Lightning's hook for the default backend; no public one)
+        if self._process_group_backend is None and self.root_device.type == "cuda":
+            # offloaded shards live on the host: norm clipping and overflow checks reduce them over gloo
+            # (MemoryBudget may turn offload on after the group exists, so CUDA runs always get both)
+            return "cuda:nccl,cpu:gloo"
+        return super()._get_process_group_backend()
+
+    @override
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)

@@ -277,3 +277,24 @@ def test_a_reassigned_buffer_is_restored_by_name():
     model = Reassigning()
     MicroBatchRunner(model).run(lambda x: model(x).sum(), torch.ones(4, 2), None, backward=torch.Tensor.backward)
     assert model.ema.item() == pytest.approx((0 * 0.5 + 2) * 0.5 + 2)  # the two pieces of 2, not the failed 4
+
+
+def test_in_lockstep_an_error_is_raised_as_it_is_and_nothing_is_retried():
+    model = Net(backward_limit=2)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        MicroBatchRunner(model, lockstep=True).run(loss_fn(model), BATCH, 4, backward=torch.Tensor.backward)
+    assert model.calls == 1  # no smaller piece: the other ranks are still in that piece's collectives
+
+
+def test_in_lockstep_every_rank_runs_as_many_micro_batches():
+    agreed = []
+
+    def other_rank_cuts_one_piece(values):
+        agreed.append(list(values))
+        return [max(value, other) for value, other in zip(values, [1, -1], strict=True)]
+
+    model = Net()
+    runner = MicroBatchRunner(model, agree=other_rank_cuts_one_piece, lockstep=True)
+    with pytest.raises(ValueError, match=r"make 1 to 4 \(here a batch of 13 samples in micro-batches of 4 makes 4\)"):
+        runner.run(loss_fn(model), BATCH, 4, backward=torch.Tensor.backward)
+    assert agreed == [[4, -4]] and model.calls == 0  # checked before the first piece

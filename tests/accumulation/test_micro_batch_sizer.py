@@ -64,6 +64,12 @@ def test_state_round_trip():
     changed = MicroBatchSizer(grow_after=None)
     changed.load_state_dict(sizer.state_dict())
     assert changed.grow_interval is None and changed.size == 12  # the new `grow_after` wins
+    smaller = MicroBatchSizer(size=4)
+    smaller.load_state_dict(sizer.state_dict())
+    assert smaller.size == 4  # resumed with a smaller size (after an error that stopped the run): it wins
+    larger = MicroBatchSizer(size=32)
+    larger.load_state_dict(sizer.state_dict())
+    assert larger.size == 12
 
 
 def test_a_short_last_batch_does_not_end_the_micro_batching():

@@ -12,10 +12,11 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import lightning_memopt.callbacks.adaptive_accumulation as adaptive_module
 from lightning_memopt import AdaptiveAccumulation, PrecisionSwitch
-from lightning_memopt.accumulation import MicroBatchSizeError, SampleOutOfMemoryError
+from lightning_memopt.accumulation import MicroBatchSizeError, RanksOutOfStepError, SampleOutOfMemoryError
 from lightning_memopt.memory import MemoryTracker, SimulatedDevice
+from lightning_memopt.strategies import MemoptFSDPStrategy
 from tests.accumulation.test_micro_batch_runner import FailInBackward, injected_oom
-from tests.helpers import quiet_trainer, run_script
+from tests.helpers import quiet_trainer, run_ranks, run_script
 
 SAMPLES = 64
 
@@ -25,8 +26,8 @@ class OOMToy(pl.LightningModule):
 
     ``forward_limit`` / ``backward_limit`` make a training forward / backward fail for more samples
     than that; ``eval_limit`` does the same in validation, test and predict. ``fail_rank`` limits the
-    failures to one rank, ``fail_until`` to the steps before it. ``counter`` holds one parameter per
-    sample whose gradient counts how often the sample reached the optimizer step.
+    failures to one rank, ``fail_from`` / ``fail_until`` to the steps from / before them. ``counter``
+    holds one parameter per sample whose gradient counts how often the sample reached the optimizer step.
     """
 
     def __init__(
@@ -36,6 +37,7 @@ class OOMToy(pl.LightningModule):
         eval_limit=None,
         fail_rank=None,
         fail_until=None,
+        fail_from=None,
         batchnorm=False,
         batch_size=16,
         hidden=16,
@@ -52,7 +54,7 @@ class OOMToy(pl.LightningModule):
         self.counter = nn.Embedding(SAMPLES, 1)
         nn.init.zeros_(self.counter.weight)
         self.forward_limit, self.backward_limit, self.eval_limit = forward_limit, backward_limit, eval_limit
-        self.fail_rank, self.fail_until = fail_rank, fail_until
+        self.fail_rank, self.fail_from, self.fail_until = fail_rank, fail_from, fail_until
         self.batch_size = batch_size
         self.val_mse = torchmetrics.MeanSquaredError()
         self.counts = []  # the counter's gradient at each optimizer step, in samples
@@ -60,7 +62,11 @@ class OOMToy(pl.LightningModule):
     def failing(self, limit, samples):
         if limit is None or samples <= limit or (self.fail_rank is not None and self.global_rank != self.fail_rank):
             return False
-        return self.fail_until is None or self._trainer is None or self.trainer.global_step < self.fail_until
+        if self._trainer is None:
+            return True
+        step = self.trainer.global_step
+        started = self.fail_from is None or step >= self.fail_from
+        return started and (self.fail_until is None or step < self.fail_until)
 
     def forward(self, x, backward_limit=None):
         hidden = torch.tanh(self.norm(self.first(x)))
@@ -443,6 +449,55 @@ def test_ddp_with_an_oom_on_rank_1_only(tmp_path, fault):
     for rank in ranks:
         for got, want in zip(rank["params"], rank["reference"], strict=True):
             assert ((got - want).norm() / want.norm()).item() < 1e-6
+
+
+@pytest.mark.distributed
+def test_fsdp_memopt_micro_batches_give_the_steps_of_whole_batches(tmp_path):
+    script = Path(__file__).with_name("adaptive_fsdp_run.py")
+    result = run_script(script, [str(tmp_path)], cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    for rank in (0, 1):
+        saved = torch.load(tmp_path / f"rank{rank}.pt")
+        ddp, fsdp = saved["ddp"], saved["fsdp"]
+        assert fsdp["micro_batches"] == 4
+        torch.testing.assert_close(torch.tensor(fsdp["losses"]), torch.tensor(ddp["losses"]), rtol=0, atol=1e-5)
+        assert len(fsdp["grads"]) == len(ddp["grads"]) == 3  # optimizer steps of two batches each
+        for got, want in zip([*fsdp["grads"], fsdp["params"]], [*ddp["grads"], ddp["params"]], strict=True):
+            assert all((a - b).abs().max().item() < 1e-5 for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("fault", "failing"), [("backward_limit", 1), ("forward_limit", 0)])
+def test_fsdp_memopt_an_oom_on_one_rank_stops_both_at_once(tmp_path, fault, failing):
+    script = Path(__file__).with_name("adaptive_fsdp_oom_run.py")
+    ranks = run_ranks(script, [fault, str(failing)], cwd=tmp_path, timeout=120)  # TimeoutExpired: a rank hung
+    for result in ranks:
+        assert result.returncode == 1, result.stdout[-3000:]
+        assert "resume from the last checkpoint with AdaptiveAccumulation(micro_batch_size=4)" in result.stdout
+    stopped = f"RanksOutOfStepError: AdaptiveAccumulation: out of memory on rank {failing} at step 1 with micro-batches"
+    assert stopped in ranks[failing].stdout
+    left = f"RanksOutOfStepError: AdaptiveAccumulation: a collective failed on rank {1 - failing} at step 1 with micro"
+    assert left in ranks[1 - failing].stdout
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_fsdp_memopt_on_one_device_stops_at_an_oom_and_says_how_to_resume(stage):
+    module = OOMToy(forward_limit=4, eval_limit=4)
+    trainer = quiet_trainer(strategy=MemoptFSDPStrategy(), max_steps=2, callbacks=[AdaptiveAccumulation(8)],
+                            num_sanity_val_steps=0)  # fmt: skip
+    with pytest.raises(RanksOutOfStepError) as info:
+        trainer.fit(module) if stage == "fit" else trainer.validate(module)
+    if stage == "fit":  # not retried: FSDP wrote part of the gradients into the shards, outside the runner's hooks
+        assert "out of memory on rank 0 at step 0 with micro-batches of 8 (of 16) under fsdp_memopt" in str(info.value)
+        assert (info.value.micro_batch_size, info.value.resume_size) == (8, 4)
+    else:  # run whole, as on every rank under fsdp_memopt
+        assert "in validation_step with whole batches of 16" in str(info.value)
+        assert "give the validation dataloader smaller batches" in str(info.value)
+
+
+def test_fsdp_memopt_refuses_to_grow_the_micro_batches():
+    with pytest.raises(MisconfigurationException, match="`grow_after`=10 under fsdp_memopt"):
+        fit(OOMToy(), [AdaptiveAccumulation(grow_after=10)], strategy=MemoptFSDPStrategy())
 
 
 @pytest.mark.cuda

@@ -14,6 +14,7 @@ import lightning_memopt.callbacks.precision_switch as precision_switch_module
 import lightning_memopt.precision.plugin as plugin_module
 from lightning_memopt.callbacks import PrecisionSwitch
 from lightning_memopt.precision import SwitchablePrecision
+from lightning_memopt.strategies import MemoptFSDPStrategy
 from tests.helpers import quiet_trainer, run_script
 
 
@@ -308,6 +309,35 @@ def test_ddp_ranks_skip_and_switch_together(tmp_path):
     assert ranks[0]["precision"] == "32-true" and ranks[0]["skipped_steps"] == 2
     assert _equal(ranks[0]["params"], ranks[1]["params"])
     assert all(torch.isfinite(p).all() for p in ranks[0]["params"])
+
+
+@pytest.mark.distributed
+def test_fsdp_memopt_switches_and_skips_steps_like_ddp(tmp_path):
+    script = Path(__file__).with_name("precision_fsdp_run.py")
+    result = run_script(script, [str(tmp_path)], cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    for rank in ranks:
+        ddp, fsdp = rank["ddp"], rank["fsdp"]
+        assert [(entry["step"], entry["to"]) for entry in fsdp["history"]] == [(2, "bf16-mixed")]
+        assert fsdp["dtypes"] == ddp["dtypes"] == [None, None] + [torch.bfloat16] * 4
+        losses = [torch.tensor(run["losses"]) for run in (fsdp, ddp)]
+        torch.testing.assert_close(*losses, rtol=0, atol=1e-5, equal_nan=True)  # per step, scheduled switch included
+        # step 3: a NaN loss on rank 1 only; step 4: a NaN in rank 0's own gradient shard only. Both ranks skip both.
+        assert fsdp["skipped_steps"] == ddp["skipped_steps"] == 2
+        params = fsdp["params"]
+        assert _equal(params[2], params[3]) and _equal(params[3], params[4]) and not _equal(params[4], params[5])
+        assert all((a - b).abs().max() < 1e-5 for a, b in zip(params[-1], ddp["params"][-1], strict=True))
+        # 16-mixed: an inf in rank 0's shard at step 3 backs the loss scale off, and skips the step, on both ranks
+        scales, params = rank["fsdp16"]["scales"], rank["fsdp16"]["params"]
+        assert scales == ranks[0]["fsdp16"]["scales"] and scales[3] == scales[2] / 2
+        assert _equal(params[2], params[3]) and not _equal(params[3], params[4])
+    assert _equal(ranks[0]["fsdp"]["params"][-1], ranks[1]["fsdp"]["params"][-1])
+
+
+def test_fsdp_memopt_with_a_param_dtype_of_its_own_is_refused():
+    with pytest.raises(MisconfigurationException, match=r"MemoptFSDPStrategy\(param_dtype='bf16'\) would gather"):
+        fit(Toy(), PrecisionSwitch("bf16-mixed"), max_steps=1, strategy=MemoptFSDPStrategy(param_dtype="bf16"))
 
 
 @pytest.mark.cuda

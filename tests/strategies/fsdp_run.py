@@ -11,14 +11,14 @@ import lightning.pytorch as pl
 import torch
 import torch.multiprocessing as mp
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt import ActivationCheckpointing
 from lightning_memopt.data.synthetic_normals import SyntheticNormalsDataset
 from lightning_memopt.strategies import MemoptFSDPStrategy
 from lightning_memopt.tasks import NormalEstimationModule
 from tests.helpers import quiet_trainer
-from tests.strategies.strategies_ddp_run import MLP, Block, data, one_batch
+from tests.strategies.strategies_ddp_run import MLP, Block, Indexed, data, one_batch
 
 
 class Losses(pl.Callback):
@@ -33,6 +33,19 @@ class Losses(pl.Callback):
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self.local_elements = sum(_local(p).numel() for p in pl_module.parameters())
+
+
+class NineIndexed(Indexed):
+    """Validation: 9 samples, batches of 4: 5 and 4 samples, 2 and 1 batches if nothing were repeated."""
+
+    def _build_datasets(self):
+        return data().dataset, TensorDataset(torch.arange(9.0)[:, None].expand(9, 32), torch.zeros(9, 4))
+
+
+class Evaluated(MLP):
+    def validation_step(self, batch, batch_idx):
+        self.net(batch[0])  # gathers the units with the other rank
+        super().validation_step(batch, batch_idx)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -96,6 +109,9 @@ def run(rank: int, out_dir: str, port: int) -> None:
         module, _, recorder = fit(strategy, 6, loader=one_batch(), use_distributed_sampler=False, ckpt_path=path)
         result[f"resumed/{layout}"] = full_parameters(module)
         result[f"resumed/{layout}/losses"] = recorder.losses
+    validated = Evaluated()
+    quiet_trainer(strategy="fsdp_memopt", devices=2).validate(validated, datamodule=NineIndexed(batch_size=4))
+    result["validation_seen"] = validated.seen
     torch.save(result, f"{out_dir}/rank{rank}.pt")
 
 

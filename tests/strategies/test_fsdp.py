@@ -137,9 +137,7 @@ class CallsInside(pl.LightningModule):
 
 def test_a_submodule_called_past_its_unit_is_explained_and_blocks_fix_it():
     loader = torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2)
-    with pytest.raises(
-        RuntimeError, match=r"a parameter was used while sharded .* units are net.blocks.0"
-    ):
+    with pytest.raises(RuntimeError, match=r"a parameter was used while sharded .* units are net.blocks.0"):
         quiet_trainer(strategy=MemoptFSDPStrategy(), max_steps=1).fit(CallsInside(), loader)
     torch.distributed.destroy_process_group()
     strategy = MemoptFSDPStrategy(blocks=["net.stem", "net.blocks.*", "net.out"])
@@ -172,6 +170,14 @@ def test_two_ranks_train_as_under_ddp_holding_half_the_parameters_each(two_ranks
     assert ranks[0]["fsdp"] != ranks[1]["fsdp"]  # each rank its own batches, as under DDP
     held = [rank["fsdp/elements"] for rank in ranks]
     assert sum(held) == ranks[0]["ddp/elements"] and max(held) - min(held) <= 48  # half each, to a row
+
+
+@pytest.mark.distributed
+def test_validation_runs_as_many_batches_on_every_rank(two_ranks):
+    _, ranks = two_ranks
+    seen = ranks[0]["validation_seen"] + ranks[1]["validation_seen"]
+    assert len(ranks[0]["validation_seen"]) == len(ranks[1]["validation_seen"]) == 5  # one sample repeated
+    assert sorted(set(seen)) == list(range(9))
 
 
 @pytest.mark.distributed
