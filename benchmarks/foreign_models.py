@@ -153,6 +153,7 @@ def measure(names: list[str]) -> list[dict]:
                 optimizer=optimizer,
                 precisions=["32-true"],
                 safety_margin=SAFETY,
+                cpu_offload=(False,),  # the plan is trained in this process: no fsdp_memopt
             )
             chosen = result.chosen
             real = real_peak(build, chosen.knobs, batch, int(budget)) if chosen is not None else None

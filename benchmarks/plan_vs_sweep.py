@@ -126,7 +126,10 @@ def main() -> None:
     for budget_mib in args.budgets_mib:
         budget = int(budget_mib * _MIB)
         # no safety margin: a SimulatedDevice counts exact bytes, with no CUDA context or fragmentation
-        result = plan(lambda: instantiate(cfg.model), batch, measure_cpu(budget), safety_margin=0.0)
+        # and no CPU offload: the sweep's runs are single-device ones
+        result = plan(
+            lambda: instantiate(cfg.model), batch, measure_cpu(budget), safety_margin=0.0, cpu_offload=(False,)
+        )
         if result.chosen is None:
             failures.append(f"{budget_mib} MiB: no plan")
             continue

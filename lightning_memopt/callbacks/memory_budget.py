@@ -19,6 +19,7 @@ from lightning_memopt.checkpointing import check_blocks
 from lightning_memopt.models.structure import attention_kernels, set_attention
 from lightning_memopt.planner import Hardware, Knobs, Plan, PlanError, cuda_hardware, measure_cpu, plan, with_budget
 from lightning_memopt.planner import gpu as catalogue_gpu
+from lightning_memopt.strategies import MemoptFSDPStrategy
 
 _GIB = 2**30
 _APPLIED_BY = (PrecisionSwitch, ActivationCheckpointing, AdaptiveAccumulation)
@@ -33,10 +34,19 @@ class MemoryBudget(Callback):
     through :class:`ActivationCheckpointing` (on the model's declared, else discovered, blocks, or
     on ``blocks``), micro-batches through :class:`AdaptiveAccumulation`
     (added in every case: it stays on as the run-time safety net against an OOM), the attention
-    kernel by switching the model's attention modules. Under DDP rank 0 plans and every rank
-    applies its plan. The knobs are saved in checkpoints; resuming with other knobs is refused (pass
-    the saved ones as ``knobs``).
+    kernel by switching the model's attention modules. Under DDP and FSDP rank 0 plans and every
+    rank applies its plan. The knobs are saved in checkpoints; resuming with other knobs is refused
+    (pass the saved ones as ``knobs``).
     ``plan`` holds the result; the table is logged at INFO on rank 0.
+
+    Under ``fsdp_memopt`` (:class:`~lightning_memopt.strategies.MemoptFSDPStrategy`) it plans for
+    the strategy's sharding over all ranks, with or without CPU offload (with it only, if the
+    strategy was given ``cpu_offload=True``), and sets the strategy's ``cpu_offload`` before the
+    strategy shards the model. A mixed precision applied by PrecisionSwitch has the units gathered
+    as stored (fp32); a Trainer that runs the plan's precision itself (``precision="bf16-mixed"``,
+    as the commands of ``memopt-plan`` set) gathers them in it, and is planned for that precision
+    only. Under single-device and DDP strategies, when only a sharded or offloaded plan fits, it
+    stops with the ``fsdp_memopt`` command to run instead.
 
     Args:
         budget: GiB to plan for; default the device's memory (off CUDA: the host memory available
@@ -53,8 +63,9 @@ class MemoryBudget(Callback):
 
     Raises:
         MisconfigurationException: bad arguments (in ``__init__``); in ``setup``: a strategy other
-            than single-device or DDP, a callback that would apply the knobs twice, or no configuration
-            that fits (with the candidates table).
+            than single-device, DDP or ``fsdp_memopt``, a callback that would apply the knobs twice,
+            knobs whose ``shards`` / ``cpu_offload`` the strategy cannot run (with the command that
+            can), or no configuration that fits (with the candidates table).
 
     Example::
 
@@ -101,10 +112,9 @@ class MemoryBudget(Callback):
         for callback in self.applied:  # from an earlier fit of this Trainer
             if callback in _callbacks(trainer):
                 _callbacks(trainer).remove(callback)
-        if not isinstance(strategy, SingleDeviceStrategy | DDPStrategy):
+        if not isinstance(strategy, SingleDeviceStrategy | DDPStrategy | MemoptFSDPStrategy):
             raise MisconfigurationException(
-                f"MemoryBudget plans for single-device and DDP strategies, not {type(strategy).__name__}; "
-                "memopt-plan prints the FSDP command when sharding is the plan"
+                f"MemoryBudget plans for single-device, DDP and fsdp_memopt strategies, not {type(strategy).__name__}"
             )
         others = [type(c).__name__ for c in _callbacks(trainer) if isinstance(c, _APPLIED_BY) and c not in self.applied]
         if others:
@@ -121,29 +131,70 @@ class MemoryBudget(Callback):
         failure, cause = "", None
         if trainer.is_global_zero:
             try:
-                self.plan = plan(
-                    pl_module,
-                    self._batch(trainer),
-                    self._hardware(pl_module.device),
-                    safety_margin=self.safety_margin,
-                    verify=self.verify,
-                    blocks=self.blocks,
-                )
+                knobs, failure = self._plan_here(trainer, pl_module)
             except Exception as error:  # noqa: BLE001 (told to every rank, re-raised below as its cause)
                 failure = (
                     str(error) if isinstance(error, PlanError) else f"planning failed: {type(error).__name__}: {error}"
                 )
                 cause = error
-            else:
-                rank_zero_info(f"MemoryBudget:\n{self.plan.table()}")
-                chosen = self.plan.chosen
-                knobs = chosen.knobs.as_dict() if chosen is not None else None
-                failure = "" if chosen is not None else _nothing_fits(self.plan)
         # every rank learns the outcome, so none waits on a rank that failed
         knobs, failure = trainer.strategy.broadcast((knobs, failure))
         if knobs is None:
             raise MisconfigurationException(f"MemoryBudget: {failure}") from cause
         return Knobs(**knobs)
+
+    def _plan_here(self, trainer: Trainer, pl_module: LightningModule) -> tuple[dict[str, Any] | None, str]:
+        """Rank 0's plan for the Trainer's strategy: its knobs, or why there are none."""
+        batch, hardware, world = self._batch(trainer), self._hardware(pl_module.device), trainer.world_size
+        strategy, own = trainer.strategy, _trainer_precision(trainer)
+        precisions = None if own is None else [own]  # a Trainer's own mixed precision is kept
+        if isinstance(strategy, MemoptFSDPStrategy):
+            offload = (True,) if strategy.cpu_offload else (False, True)
+            stored = own is None  # a mixed precision from PrecisionSwitch: the units are gathered as stored
+            options = {"shards": [world], "cpu_offload": offload, "gather_as_stored": stored}
+            self.plan = self._run_plan(pl_module, batch, hardware, world, precisions=precisions, **options)
+        else:
+            try:
+                self.plan = self._run_plan(
+                    pl_module, batch, hardware, world, shards=[1], cpu_offload=(False,), precisions=precisions
+                )
+            except PlanError as error:  # the model states alone do not fit unsharded
+                return None, self._needs_fsdp(pl_module, batch, hardware, world, str(error))
+        rank_zero_info(f"MemoryBudget:\n{self.plan.table()}")
+        chosen = self.plan.chosen
+        if chosen is not None:
+            return chosen.knobs.as_dict(), ""
+        if isinstance(strategy, MemoptFSDPStrategy):
+            return None, _nothing_fits(self.plan)
+        return None, self._needs_fsdp(pl_module, batch, hardware, world, _nothing_fits(self.plan))
+
+    def _run_plan(self, module: LightningModule, batch: Any, hardware: Hardware, devices: int, **options: Any) -> Plan:
+        return plan(
+            module,
+            batch,
+            hardware,
+            safety_margin=self.safety_margin,
+            verify=self.verify,
+            blocks=self.blocks,
+            devices=devices,
+            **options,
+        )
+
+    def _needs_fsdp(self, module: LightningModule, batch: Any, hardware: Hardware, world: int, failure: str) -> str:
+        """Nothing fits this strategy: ``failure``, or the fsdp_memopt command when sharding over the ranks or CPU
+        offload would fit."""
+        try:
+            result = self._run_plan(module, batch, hardware, world)
+        except PlanError:
+            return failure
+        if result.chosen is None:
+            return failure
+        rank_zero_info(f"MemoryBudget, sharded or offloaded:\n{result.table()}")
+        knobs = result.chosen.knobs
+        return (
+            f"{failure}\nonly a plan with fsdp_memopt fits: {knobs.describe()} (peak "
+            f"{result.chosen.peak_bytes / _GIB:.2f} GiB); run it with {_fsdp_command(knobs)}"
+        )
 
     def _hardware(self, device: torch.device) -> Hardware:
         if self.hardware_name is not None:
@@ -163,13 +214,30 @@ class MemoryBudget(Callback):
         return next(iter(loader))
 
     def _apply(self, trainer: Trainer, pl_module: LightningModule, knobs: Knobs) -> None:
-        if knobs.shards > 1:
-            raise MisconfigurationException(f"MemoryBudget: `knobs` shard over {knobs.shards} GPUs; run FSDP instead")
+        strategy = trainer.strategy
+        if isinstance(strategy, MemoptFSDPStrategy):
+            if knobs.shards != trainer.world_size:
+                raise MisconfigurationException(
+                    f"MemoryBudget: `knobs` shards={knobs.shards} but fsdp_memopt shards over all "
+                    f"{trainer.world_size} ranks; pass shards={trainer.world_size} (or run on {knobs.shards} devices)"
+                )
+            strategy.cpu_offload = knobs.cpu_offload  # the strategy shards in its own setup, after this hook
+        elif knobs.sharding.active:
+            raise MisconfigurationException(
+                f"MemoryBudget: `knobs` {knobs.describe()!r} need the fsdp_memopt strategy, not "
+                f"{type(strategy).__name__}: {_fsdp_command(knobs)}"
+            )
+        own = _trainer_precision(trainer)
+        if own is not None and own != knobs.precision:
+            raise MisconfigurationException(
+                f"MemoryBudget: `knobs` precision={knobs.precision!r} but the Trainer runs {own!r}; leave the "
+                "Trainer's precision at its default '32-true' (MemoryBudget applies the plan's) or give the same"
+            )
         if knobs.attn_impl is not None:
             self._attention = attention_kernels(pl_module)
             set_attention(pl_module, knobs.attn_impl)
         self.applied = [AdaptiveAccumulation(micro_batch_size=knobs.micro_batch_size)]
-        if knobs.precision != "32-true":
+        if knobs.precision != "32-true" and own is None:
             self.applied.append(PrecisionSwitch(knobs.precision))
         policy = knobs.checkpoint_policy(self.blocks)
         if policy is not None:
@@ -209,6 +277,19 @@ class MemoryBudget(Callback):
                 f"MemoryBudget: the checkpoint was trained with {Knobs(**saved).describe()!r} but this run planned "
                 f"{self.knobs.describe()!r}; resume with MemoryBudget(knobs={saved!r}) to continue the same run"
             )
+
+
+def _fsdp_command(knobs: Knobs) -> str:
+    """The ``memopt-train`` overrides that run sharded or offloaded ``knobs`` (Hydra is imported for it only)."""
+    from lightning_memopt.planner.config import train_command
+
+    return train_command([], knobs)
+
+
+def _trainer_precision(trainer: Trainer) -> str | None:
+    """The mixed precision the Trainer runs itself (``Trainer(precision=...)``), or ``None`` at ``"32-true"``."""
+    precision = str(trainer.precision)
+    return None if precision == "32-true" else precision
 
 
 def _callbacks(trainer: Trainer) -> list[Callback]:

@@ -6,6 +6,8 @@ Examples (shell)::
     memopt-plan experiment=cotracker2_kubric gpu=rtx3090_24gb
     memopt-plan experiment=topofr_r100 gpu=v100_32gb
     memopt-plan model=r100 data.batch_size=256 budget=10        # 10 GiB, on the default GPU's rates
+    memopt-plan model=sapiens_2b gpu=rtx3090_24gb              # CPU offload of the model states
+    memopt-plan model=sapiens_2b gpu=a100_40gb devices=4       # FSDP over up to 4 GPUs
 """
 
 from __future__ import annotations

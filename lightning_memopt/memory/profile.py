@@ -14,7 +14,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from lightning_memopt.memory.tracker import CATEGORIES, BlockAccount, MemorySnapshot, MemoryTracker
+from lightning_memopt.memory.tracker import (
+    CATEGORIES,
+    PARAMETER_CAST,
+    BlockAccount,
+    MemorySnapshot,
+    MemoryTracker,
+)
 from lightning_memopt.memory.work import Work, WorkCounter, sum_work
 
 MODES = ("real", "fake")
@@ -52,6 +58,10 @@ class MemoryProfile:
     largest: list[TensorInfo] = field(default_factory=list)
     offloaded_bytes: int = 0  # the most host memory that offloaded activations held at once
     phase_peaks: dict[str, int] = field(default_factory=dict)  # the most live bytes in each phase
+    # by category: each phase's peak, ``"<phase> less gradients"`` (the phase at its most bytes other than
+    # gradients), and ``"backward end"`` (what the last step's backward pass left)
+    phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict)
+    parameter_casts: dict[str, int] = field(default_factory=dict)  # autocast's copies of parameters, at those moments
     work_counts: dict[tuple[str, str], Work] = field(default_factory=dict)  # per step, by (phase, block)
     blocks: dict[str, BlockAccount] = field(default_factory=dict)  # what each named block leaves for backward
 
@@ -92,6 +102,7 @@ def profile_step(
     round_to: int = 1,
     warm_optimizer: bool = False,
     blocks: tuple[str, ...] = (),
+    host_parameters: bool = False,
 ) -> MemoryProfile:
     """Run ``steps`` full training steps (forward, loss, backward, optimizer) and profile their memory.
 
@@ -120,6 +131,9 @@ def profile_step(
             gradients, so that a single profiled step (``steps=1``) already sees it.
         blocks: names of submodules whose forward leaves activations for the backward pass, for
             :attr:`MemoryProfile.blocks` (what checkpointing each of them would free) and their work.
+        host_parameters: count the parameters as they are after ``prepare_model``, their gradients
+            and optimizer state as host memory (``host_bytes``): an FSDP model offloaded to the CPU
+            (``CPUOffloadPolicy``), profiled on a machine whose device is the host itself.
 
     Raises:
         ValueError: for an unknown ``mode`` or ``precision``, ``steps`` < 1, or a plain module
@@ -164,16 +178,25 @@ def profile_step(
         if warm_optimizer:
             _create_optimizer_state(module, opt)
         tracker = MemoryTracker(round_to=round_to)
+        if host_parameters:
+            tracker.track(module.parameters(), "parameters", op="parameters", host=True)
         tracker.track_module(module)
+        tracker.label_gradients_on_arrival(module)
         tracker.track_blocks(module, blocks)
         tracker.track_optimizer(opt)
         tracker.track(_tensors(batch), "inputs", op="batch")
         counter = WorkCounter(tracker)
-        peak, block_accounts = _run_steps(
+        peak, block_accounts, backward_end = _run_steps(
             module, batch, step, opt, autocast, steps, device, fake_mode is not None, tracker, counter, stack
         )
     result = _profile_from(peak, tracker.peak_host_bytes, mode, precision, device, fake_mode is not None)
     result.phase_peaks = dict(tracker.phase_peaks)
+    for phase in result.phase_peaks:
+        for key, less_gradients in ((phase, False), (f"{phase} less gradients", True)):
+            snapshot = tracker.phase_peak(phase, less_gradients)
+            result.phase_breakdowns[key] = snapshot.by_category()
+            result.parameter_casts[key] = sum(r.nbytes for r in snapshot.records if r.op == PARAMETER_CAST)
+    result.phase_breakdowns["backward end"] = backward_end
     result.work_counts = {key: work.scaled(1 / steps) for key, work in counter.counts.items()}
     result.blocks = block_accounts
     return result
@@ -199,7 +222,7 @@ def _run_steps(
     tracker: MemoryTracker,
     counter: WorkCounter,
     stack: contextlib.ExitStack,
-) -> tuple[MemorySnapshot, dict[str, BlockAccount]]:
+) -> tuple[MemorySnapshot, dict[str, BlockAccount], dict[str, int]]:
     on_cuda = device.type == "cuda" and not fake
     if on_cuda:
         torch.cuda.synchronize(device)
@@ -216,6 +239,7 @@ def _run_steps(
             loss.backward()
         del loss
         tracker.relabel_gradients(module)
+        backward_end = tracker.current().by_category()
         with tracker.in_phase("optimizer"):
             optimizer.step()
         tracker.relabel_optimizer_state(optimizer)
@@ -223,7 +247,7 @@ def _run_steps(
     peak = tracker.peak
     if on_cuda:
         peak = MemorySnapshot(torch.cuda.max_memory_allocated(device), peak.phase, peak.records)
-    return peak, block_accounts
+    return peak, block_accounts, backward_end
 
 
 def _profile_from(

@@ -14,12 +14,12 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
@@ -32,6 +32,11 @@ _CATEGORY_OF_PHASE = {
 }
 
 
+# the op of a storage that holds a parameter cast to another dtype (autocast's weight copies); an FSDP unit
+# gathered in the compute dtype needs none
+PARAMETER_CAST = "parameter cast"
+# the op of a storage grown back in place (FSDP's gathered parameters, allocated again for each gather)
+GATHERED_PARAMETERS = "gathered parameters"
 _HOST_ALLOCATION = threading.local()
 
 
@@ -123,6 +128,17 @@ class MemoryTracker(TorchDispatchMode):
     New storages are labelled by the current phase (``forward`` → activations, others →
     temporaries); :meth:`track` labels existing tensors (parameters, inputs), and
     :meth:`relabel` turns temporaries into gradients or optimizer state once they are known.
+    A copy of a parameter in another dtype (autocast's weight casts) is made by op
+    :data:`PARAMETER_CAST`.
+
+    Sharded training (FSDP2) is counted as a rank holds it: a tensor subclass that wraps local
+    tensors (``DTensor``: sharded parameters, their gradients and optimizer state) counts the
+    storages of its local tensors; a storage resized in place (``UntypedStorage.resize_``, how FSDP
+    frees a unit's gathered parameters after use and allocates them again for the next gather)
+    counts at its current size, and once grown back, as ``parameters``. Storages made inside
+    :func:`host_memory`, or tracked with ``host=True`` (CPU-offloaded parameter shards), are host
+    memory: ``host_bytes``, not ``live_bytes``; the gradients and optimizer state of host
+    parameters join them at :meth:`relabel_gradients` / :meth:`relabel_optimizer_state`.
 
     Args:
         round_to: round every storage up to a multiple of this many bytes (512 mimics the CUDA
@@ -147,12 +163,15 @@ class MemoryTracker(TorchDispatchMode):
         self.round_to = round_to
         self.phase = "setup"
         self.live_bytes = 0
+        self.gradient_bytes = 0  # of live_bytes: those labelled gradients now
         self.host_bytes = 0
         self.peak_host_bytes = 0
-        self._host_records: dict[int, int] = {}
+        self._host_records: dict[int, StorageRecord] = {}
         self._peak = MemorySnapshot()
-        self.phase_peaks: dict[str, int] = {}  # the most live bytes seen in each phase
-        self._peak_pending = False  # a new peak whose records are still exactly the live ones
+        self._phase_peaks: dict[str, MemorySnapshot] = {}  # the most live bytes seen in each phase
+        # the most live bytes other than gradients in each phase (what sharded gradients leave), at that moment
+        self._lean_peaks: dict[str, tuple[int, MemorySnapshot]] = {}
+        self._pending: list[MemorySnapshot] = []  # peaks whose records are still exactly the live ones
         self.timeline: list[tuple[int, int, str]] | None = [] if record_timeline else None
         self._records: dict[int, StorageRecord] = {}
         self._module_stack: list[str] = []
@@ -167,57 +186,125 @@ class MemoryTracker(TorchDispatchMode):
     def _rounded(self, nbytes: int) -> int:
         return -(-nbytes // self.round_to) * self.round_to
 
-    def _add(self, tensor: torch.Tensor, category: str, op: str) -> StorageRecord | None:
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        if allocating_on_host():
-            self._add_host(storage, key)
-            return None
-        with self._lock:
-            record = self._records.get(key)
-            if record is not None:
-                return None
-            nbytes = self._rounded(storage.nbytes())
-            self._before_allocation(nbytes, op, tuple(tensor.shape), tensor.dtype)
-            record = StorageRecord(
-                nbytes, category, self._current_module(), op, tuple(tensor.shape), tensor.dtype, self.current_block
-            )
-            self._records[key] = record
-            self.live_bytes += nbytes
-            if self.live_bytes > self.phase_peaks.get(self.phase, 0):
-                self.phase_peaks[self.phase] = self.live_bytes
-            weakref.finalize(storage, self._remove, key)
-            self._after_change()
-            if self.live_bytes > self._peak.total_bytes:
-                # copying the live records at every new peak would be quadratic in a growing forward pass:
-                # remember the peak now, copy its records only when memory first falls from it
-                self._peak = MemorySnapshot(self.live_bytes, self.phase)
-                self._peak_pending = True
-            return record
+    def _add(self, tensor: torch.Tensor, category: str, op: str, host: bool = False) -> bool:
+        """Count the storages of ``tensor`` not counted yet; whether it had any."""
+        added = False
+        for storage, local in _storages(tensor):
+            key = id(storage)
+            if host or allocating_on_host():
+                added |= self._add_host(
+                    storage, key, StorageRecord(0, category, "", op, tuple(local.shape), local.dtype)
+                )
+                continue
+            with self._lock:
+                if key in self._records or key in self._host_records:
+                    continue
+                nbytes = self._rounded(storage.nbytes())
+                record = StorageRecord(
+                    nbytes, category, self._current_module(), op, tuple(local.shape), local.dtype, self.current_block
+                )
+                self._grow(nbytes, record)
+                self._records[key] = record
+                weakref.finalize(storage, self._remove, key)
+                added = True
+        return added
 
-    def _add_host(self, storage: torch.UntypedStorage, key: int) -> None:
+    def _grow(self, nbytes: int, record: StorageRecord) -> None:
+        """Count ``nbytes`` more for ``record`` (new or grown); a new overall or phase peak remembers the records."""
+        self._before_allocation(nbytes, record.op, record.shape, record.dtype)
+        self.live_bytes += nbytes
+        self.gradient_bytes += nbytes if record.category == "gradients" else 0
+        lean = self.live_bytes - self.gradient_bytes
+        phase_peak, lean_peak = self._phase_peaks.get(self.phase), self._lean_peaks.get(self.phase)
+        fresh = {
+            "peak": self.live_bytes > self._peak.total_bytes,
+            "phase": phase_peak is None or self.live_bytes > phase_peak.total_bytes,
+            "lean": lean_peak is None or lean > lean_peak[0],
+        }
+        renewed = {id(self._peak)} if fresh["peak"] else set()
+        renewed |= {id(phase_peak)} if fresh["phase"] and phase_peak is not None else set()
+        renewed |= {id(lean_peak[1])} if fresh["lean"] and lean_peak is not None else set()
+        # the live records are about to change: the peaks kept from before take their records now (copying them
+        # at every new peak would be quadratic in a growing forward pass)
+        self._settle([snapshot for snapshot in self._pending if id(snapshot) not in renewed])
+        self._pending = []  # those left are renewed now
+        if fresh["peak"]:
+            self._peak = MemorySnapshot(self.live_bytes, self.phase)
+            self._pending.append(self._peak)
+        if fresh["phase"]:
+            self._phase_peaks[self.phase] = MemorySnapshot(self.live_bytes, self.phase)
+            self._pending.append(self._phase_peaks[self.phase])
+        if fresh["lean"]:
+            self._lean_peaks[self.phase] = (lean, MemorySnapshot(self.live_bytes, self.phase))
+            self._pending.append(self._lean_peaks[self.phase][1])
+        self._after_change()
+
+    def _drop(self, record: StorageRecord, nbytes: int) -> None:
+        """Count ``nbytes`` fewer of ``record`` (freed, shrunk or moved to the host)."""
+        self.live_bytes -= nbytes
+        self.gradient_bytes -= nbytes if record.category == "gradients" else 0
+        self._after_change()
+
+    def _settle(self, snapshots: list[MemorySnapshot] | None = None) -> None:
+        """Give the pending peaks (or ``snapshots`` of them) the live records, and stop them pending."""
+        snapshots = self._pending if snapshots is None else snapshots
+        if snapshots:
+            records = list(self._records.values())
+            for snapshot in snapshots:
+                snapshot.records = records
+        self._pending = [snapshot for snapshot in self._pending if not any(snapshot is s for s in snapshots)]
+
+    def _add_host(self, storage: torch.UntypedStorage, key: int, record: StorageRecord) -> bool:
         with self._lock:
-            if key in self._host_records or key in self._records:
-                return
-            nbytes = self._rounded(storage.nbytes())
-            self._host_records[key] = nbytes
-            self.host_bytes += nbytes
+            if key in self._host_records:
+                return False
+            if key in self._records:  # counted on the device: it moves to the host
+                self._settle()
+                moved = self._records.pop(key)
+                self._drop(moved, moved.nbytes)
+            else:
+                weakref.finalize(storage, self._remove_host, key)
+            record.nbytes = self._rounded(storage.nbytes())
+            self._host_records[key] = record
+            self.host_bytes += record.nbytes
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
-            weakref.finalize(storage, self._remove_host, key)
+            return True
 
     def _remove_host(self, key: int) -> None:
         with self._lock:
-            self.host_bytes -= self._host_records.pop(key, 0)
+            record = self._host_records.pop(key, None)
+            self.host_bytes -= record.nbytes if record is not None else 0
 
     def _remove(self, key: int) -> None:
         with self._lock:
-            if self._peak_pending and key in self._records:
-                self._peak.records = list(self._records.values())
-                self._peak_pending = False
-            record = self._records.pop(key, None)
-            if record is not None:
-                self.live_bytes -= record.nbytes
-                self._after_change()
+            if key not in self._records:
+                return
+            self._settle()
+            record = self._records.pop(key)
+            self._drop(record, record.nbytes)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` was resized in place: count its new size (grown back: gathered parameters)."""
+        key = id(storage)
+        with self._lock:
+            nbytes = self._rounded(storage.nbytes())
+            host = self._host_records.get(key)
+            if host is not None:
+                self.host_bytes += nbytes - host.nbytes
+                self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+                host.nbytes = nbytes
+                return
+            record = self._records.get(key)
+            if record is None or nbytes == record.nbytes:
+                return
+            # a new record: the peaks that hold the old one keep its size then
+            self._settle()
+            self._drop(record, record.nbytes)
+            if nbytes == 0:
+                self._records[key] = replace(record, nbytes=0)
+                return
+            self._records[key] = replace(record, nbytes=nbytes, category="parameters", op=GATHERED_PARAMETERS)
+            self._grow(nbytes, self._records[key])
 
     def _after_change(self) -> None:
         self._events += 1
@@ -227,12 +314,14 @@ class MemoryTracker(TorchDispatchMode):
     def _before_allocation(self, nbytes: int, op: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Hook for subclasses (a budget check); called before a new storage is counted."""
 
-    def track(self, tensors: Iterable[torch.Tensor | None], category: str, op: str = "tracked") -> None:
-        """Count existing tensors under ``category`` (or relabel them if already counted)."""
+    def track(
+        self, tensors: Iterable[torch.Tensor | None], category: str, op: str = "tracked", host: bool = False
+    ) -> None:
+        """Count existing tensors under ``category`` (or relabel them if already counted); ``host``: as host memory."""
         if category not in CATEGORIES:
             raise ValueError(f"Unknown `category`={category!r}; valid choices: {', '.join(CATEGORIES)}")
         for tensor in tensors:
-            if isinstance(tensor, torch.Tensor) and self._add(tensor, category, op) is None:
+            if isinstance(tensor, torch.Tensor) and not self._add(tensor, category, op, host):
                 self.relabel([tensor], category)
 
     def relabel(self, tensors: Iterable[torch.Tensor | None], category: str) -> None:
@@ -240,9 +329,18 @@ class MemoryTracker(TorchDispatchMode):
         with self._lock:
             for tensor in tensors:
                 if isinstance(tensor, torch.Tensor):
-                    record = self._records.get(id(tensor.untyped_storage()))
-                    if record is not None:
-                        record.category = category
+                    for storage, _ in _storages(tensor):
+                        record = self._records.get(id(storage))
+                        if record is not None:
+                            was, now = record.category == "gradients", category == "gradients"
+                            self.gradient_bytes += record.nbytes * (now - was)
+                        record = record or self._host_records.get(id(storage))
+                        if record is not None:
+                            record.category = category
+
+    def on_host(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storages are counted as host memory."""
+        return any(id(storage) in self._host_records for storage, _ in _storages(tensor))
 
     def track_module(self, module: nn.Module) -> None:
         """Count ``module``'s parameters, buffers and gradients; attribute new storages to its top-level children."""
@@ -265,12 +363,20 @@ class MemoryTracker(TorchDispatchMode):
         self.track(_state_tensors(optimizer), "optimizer_state", op="optimizer state")
 
     def relabel_gradients(self, module: nn.Module) -> None:
-        """Mark the current ``.grad`` of every parameter of ``module`` as gradients."""
-        self.relabel((p.grad for p in module.parameters()), "gradients")
+        """Mark the current ``.grad`` of every parameter of ``module`` as gradients (host ones for host parameters)."""
+        for parameter in module.parameters():
+            self._follow(parameter, [parameter.grad], "gradients")
 
     def relabel_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Mark every tensor in ``optimizer.state`` as optimizer state."""
-        self.relabel(_state_tensors(optimizer), "optimizer_state")
+        """Mark every tensor in ``optimizer.state`` as optimizer state (host state for host parameters)."""
+        for parameter, state in optimizer.state.items():
+            self._follow(parameter, [v for v in state.values() if isinstance(v, torch.Tensor)], "optimizer_state")
+
+    def _follow(self, parameter: torch.Tensor, tensors: list[torch.Tensor | None], category: str) -> None:
+        if self.on_host(parameter):
+            self.track(tensors, category, op=category.replace("_", " "), host=True)
+        else:
+            self.relabel(tensors, category)
 
     def track_blocks(self, model: nn.Module, names: Iterable[str]) -> None:
         """Attribute new storages to the named submodules of ``model`` (the innermost one that is running).
@@ -296,7 +402,7 @@ class MemoryTracker(TorchDispatchMode):
             if self._block_stack:
                 self._block_stack.pop()
             outputs = (t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor))
-            self._block_outputs[name] = {id(t.untyped_storage()) for t in outputs}
+            self._block_outputs[name] = {id(storage) for t in outputs for storage, _ in _storages(t)}
 
         return hook
 
@@ -355,17 +461,47 @@ class MemoryTracker(TorchDispatchMode):
     def peak(self) -> MemorySnapshot:
         """The live storages at the highest count so far (since :meth:`reset_peak`)."""
         with self._lock:
-            if self._peak_pending:
-                self._peak.records = list(self._records.values())
-                self._peak_pending = False
+            self._settle()
             return self._peak
+
+    @property
+    def phase_peaks(self) -> dict[str, int]:
+        """The most live bytes seen in each phase (since :meth:`reset_peak`)."""
+        return {phase: snapshot.total_bytes for phase, snapshot in self._phase_peaks.items()}
+
+    def phase_peak(self, phase: str, less_gradients: bool = False) -> MemorySnapshot:
+        """The live storages at the highest count in ``phase`` (empty if nothing was allocated in it).
+
+        ``less_gradients``: at the highest count of bytes other than gradients instead (gradients
+        labelled as they arrive, see :meth:`label_gradients_on_arrival`): the moment that matters
+        when the gradients are sharded.
+        """
+        with self._lock:
+            self._settle()
+            if less_gradients:
+                return self._lean_peaks.get(phase, (0, MemorySnapshot(0, phase)))[1]
+            return self._phase_peaks.get(phase, MemorySnapshot(0, phase))
+
+    def label_gradients_on_arrival(self, module: nn.Module) -> None:
+        """Label each gradient of ``module``'s parameters as such when autograd accumulates it, not at
+        :meth:`relabel_gradients` after the backward pass (hooks removed with :meth:`remove_hooks`)."""
+        for parameter in module.parameters():
+            if parameter.requires_grad:
+                hook = parameter.register_post_accumulate_grad_hook(lambda p: self.relabel([p.grad], "gradients"))
+                self._hooks.append(hook)
+
+    def host_breakdown(self) -> dict[str, int]:
+        """Host bytes live now, per category."""
+        with self._lock:
+            return MemorySnapshot(self.host_bytes, self.phase, list(self._host_records.values())).by_category()
 
     def reset_peak(self) -> None:
         """Start a new peak from the bytes live now."""
         with self._lock:
             self._peak = MemorySnapshot(self.live_bytes, self.phase, list(self._records.values()))
-            self._peak_pending = False
-            self.phase_peaks = {}
+            self._pending = []
+            self._phase_peaks = {}
+            self._lean_peaks = {}
             self.peak_host_bytes = self.host_bytes
             if self.timeline is not None:
                 self.timeline.clear()
@@ -375,19 +511,63 @@ class MemoryTracker(TorchDispatchMode):
         with self._lock:
             return MemorySnapshot(self.live_bytes, self.phase, list(self._records.values()))
 
+    def __enter__(self) -> MemoryTracker:
+        _RESIZE_WATCHERS.append(self)
+        if len(_RESIZE_WATCHERS) == 1:
+            torch.UntypedStorage.resize_ = _counted_resize  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        _RESIZE_WATCHERS.remove(self)
+        if not _RESIZE_WATCHERS:
+            del torch.UntypedStorage.resize_  # back to torch's own (defined on its base class)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func is _DEVICE_QUERY:
             return out
         category = _CATEGORY_OF_PHASE[self.phase]
+        op = str(func.overloadpacket.__name__)
+        if func is _CAST and self._is_parameter(args[0]):
+            op = PARAMETER_CAST
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
-                self._add(tensor, category, str(func.overloadpacket.__name__))
+                self._add(tensor, category, op)
         return out
+
+    def _is_parameter(self, tensor: Any) -> bool:
+        if not isinstance(tensor, torch.Tensor):
+            return False
+        records = (self._records.get(id(storage)) for storage, _ in _storages(tensor))
+        return any(record is not None and record.category == "parameters" for record in records)
 
 
 # `tensor.device` of a fake tensor reaches the modes as this op (autocast and autograd ask often): no storage
 _DEVICE_QUERY = torch.ops.prim.device.default
+_CAST = torch.ops.aten._to_copy.default
+# the trackers inside their `with` block: told of every in-place storage resize
+_RESIZE_WATCHERS: list[MemoryTracker] = []
+_TORCH_RESIZE = torch.UntypedStorage.resize_
+
+
+def _counted_resize(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+    # UntypedStorage.resize_ does not reach dispatch modes: the trackers hear of it here
+    result = _TORCH_RESIZE(storage, size)
+    for tracker in _RESIZE_WATCHERS:
+        tracker._resized(storage)
+    return result
+
+
+def _storages(tensor: torch.Tensor) -> Iterator[tuple[torch.UntypedStorage, torch.Tensor]]:
+    """The storages a tensor holds, each with the (local) tensor viewing it: a wrapper subclass's are its inner ones."""
+    if is_traceable_wrapper_subclass(tensor):
+        attributes, _ = tensor.__tensor_flatten__()  # DTensor: its local shard
+        for inner in (getattr(tensor, name) for name in attributes):
+            if isinstance(inner, torch.Tensor):
+                yield from _storages(inner)
+    else:
+        yield tensor.untyped_storage(), tensor
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

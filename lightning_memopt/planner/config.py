@@ -76,32 +76,33 @@ def result_changing_options(cfg: DictConfig) -> list[ResultChangingOption]:
 
 
 def train_command(overrides: list[str], knobs: Knobs) -> str:
-    """The ``memopt-train`` command line that runs ``knobs`` on the config given by ``overrides``."""
+    """The ``memopt-train`` command line that runs ``knobs`` on the config given by ``overrides``.
+
+    :class:`~lightning_memopt.MemoryBudget` applies the knobs (``memopt=planned``); a plan that
+    shards or offloads runs under ``strategy=fsdp_memopt`` on ``shards`` devices, with ``bf16-mixed``
+    on the Trainer (so that the units are gathered in bf16, as planned).
+
+    Example::
+
+        >>> command = train_command(["model=sapiens_2b", "gpu=rtx3090_24gb"], Knobs("bf16-mixed", cpu_offload=True))
+        >>> command.split()[1:5]
+        ['model=sapiens_2b', 'strategy=fsdp_memopt', 'trainer.devices=1', 'trainer.strategy.cpu_offload=true']
+    """
     kept = [o for o in overrides if o.split("=")[0].lstrip("+~") not in ("gpu", "budget", "devices", "safety_margin")]
     kept = [o for o in kept if not o.startswith(("plan.", "precision=", "memopt="))]
-    if knobs.shards > 1:
-        extra = [
-            "strategy=fsdp_memopt",
-            f"trainer.devices={knobs.shards}",
-            f"precision={knobs.precision.replace('-', '_')}",
-        ]
-        if knobs.checkpoint != "none":
-            policy = knobs.checkpoint_policy() or {}
-            every = f",every_n:{policy['every_n']}" if policy.get("every_n") else ""
-            extra += [
-                "memopt=checkpointing",
-                f"memopt.callbacks.activation_checkpointing.policy={{modules:preset{every},mode:{knobs.checkpoint}}}",
-            ]
-        return " ".join(["memopt-train", *kept, *extra])
+    extra = []
+    if knobs.sharding.active:
+        kept = [o for o in kept if not o.startswith(("strategy=", "trainer.devices=", "trainer.strategy."))]
+        extra = ["strategy=fsdp_memopt", f"trainer.devices={knobs.shards}"]
+        extra += ["trainer.strategy.cpu_offload=true"] if knobs.cpu_offload else []
+        extra += ["precision=bf16_mixed"] if knobs.precision == "bf16-mixed" else []  # (16-mixed: PrecisionSwitch)
     prefix = "memopt.callbacks.memory_budget.knobs"
-    values = knobs.as_dict()
-    values.pop("shards")
-    extra = ["memopt=planned"] + [f"{prefix}.{key}={_hydra_value(value)}" for key, value in values.items()]
+    extra += ["memopt=planned"] + [f"{prefix}.{key}={_hydra_value(value)}" for key, value in knobs.as_dict().items()]
     return " ".join(["memopt-train", *kept, *extra])
 
 
 def _hydra_value(value: Any) -> str:
-    return "null" if value is None else str(value)
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _changed(cfg: DictConfig, name: str, caveat: str, overrides: list[str]) -> ResultChangingOption:

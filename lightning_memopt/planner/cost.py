@@ -6,22 +6,32 @@ from dataclasses import dataclass
 
 from lightning_memopt.memory.work import Work
 from lightning_memopt.planner.hardware import Hardware
+from lightning_memopt.planner.sharding import UNSHARDED, ShardedTraffic
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """Estimated seconds per optimizer step, by what they are spent on."""
+    """Estimated seconds per optimizer step, by what they are spent on (summed: nothing is assumed to overlap)."""
 
     compute: float  # matmul, convolution and attention arithmetic at the device's peak rates
     memory: float  # every byte written once and read once, at the memory bandwidth
-    launch: float  # a fixed cost per kernel: what makes small micro-batches inefficient
-    offload: float  # offloaded activations to the host and back
-    communication: float  # FSDP: gather the parameters twice, reduce-scatter the gradients
+    launch: float  # a fixed cost per kernel (and FSDP collective or copy): what makes small micro-batches inefficient
+    offload: float  # the host link: offloaded activations to the host and back; CPU offload's shards and gradients
+    communication: float  # FSDP: all-gather the units (twice with reshard after forward), reduce-scatter the gradients
     checkpointing: float = 0.0  # the host-side cost of the checkpointed regions (hooks, bookkeeping)
+    host: float = 0.0  # CPU offload: the optimizer step over the host's memory
 
     @property
     def total(self) -> float:
-        return self.compute + self.memory + self.launch + self.offload + self.communication + self.checkpointing
+        return (
+            self.compute
+            + self.memory
+            + self.launch
+            + self.offload
+            + self.communication
+            + self.checkpointing
+            + self.host
+        )
 
 
 def step_cost(
@@ -30,8 +40,7 @@ def step_cost(
     hardware: Hardware,
     micro_batches: int = 1,
     offloaded_bytes: float = 0.0,
-    shards: int = 1,
-    parameter_bytes: float = 0.0,
+    traffic: ShardedTraffic = UNSHARDED,
     checkpoint_mode: str = "none",
     regions: int = 0,
     region_kernels: float = 0.0,
@@ -40,12 +49,14 @@ def step_cost(
 
     Args:
         step_work: the forward and backward work of one micro-batch (recomputation included).
-        optimizer_work: the optimizer update's work.
+        optimizer_work: the optimizer update's work, unsharded.
         hardware: the device.
         micro_batches: forward/backward passes per optimizer step.
         offloaded_bytes: activation bytes one micro-batch offloads to the host (copied back in backward).
-        shards: FSDP shards (1: none).
-        parameter_bytes: the parameters' bytes in the compute precision (what FSDP gathers).
+        traffic: FSDP's bytes per micro-batch over the peer and host links, and this rank's share of
+            the optimizer's work (:func:`~lightning_memopt.planner.sharding.sharded_traffic`). With
+            CPU offload the optimizer step runs on the host: its bytes written, read and written
+            once, at the host's memory bandwidth, and its kernels at the device's cost per kernel.
         checkpoint_mode / regions / region_kernels: the checkpointing mode, its checkpointed block
             calls per micro-batch and the forward kernels inside them.
 
@@ -55,14 +66,23 @@ def step_cost(
         >>> work = Work(half_flops=312e12)          # one second of an A100's bf16 peak
         >>> round(step_cost(work, Work(), gpu("a100_80gb")).compute, 6)
         1.0
+        >>> on_host = ShardedTraffic(peer_bytes=0.0, host_bytes=25e9, optimizer_share=1.0, optimizer_on_host=True)
+        >>> cost = step_cost(Work(), Work(bytes_written=50e9), gpu("a100_80gb"), traffic=on_host)
+        >>> cost.offload, cost.host                 # 25 GB over PCIe at 25 GB/s; 50 GB read + written at 100 GB/s
+        (1.0, 1.0)
     """
-    passes = step_work.scaled(micro_batches) + optimizer_work
+    optimizer_share = optimizer_work.scaled(traffic.optimizer_share)
+    passes = step_work.scaled(micro_batches) + (Work() if traffic.optimizer_on_host else optimizer_share)
     compute = passes.half_flops / (hardware.half_tflops * 1e12) + passes.full_flops / (hardware.full_tflops * 1e12)
     memory = 2 * passes.bytes_written / (hardware.memory_gbps * 1e9)
-    launch = passes.kernels * hardware.kernel_seconds
-    offload = 2 * offloaded_bytes * micro_batches / (hardware.host_link_gbps * 1e9)
-    gathered = 3 * parameter_bytes * (shards - 1) / shards * micro_batches
-    communication = gathered / (hardware.peer_link_gbps * 1e9)
+    launch = (passes.kernels + traffic.launches * micro_batches) * hardware.kernel_seconds
+    host_link = 2 * offloaded_bytes + traffic.host_bytes
+    offload = host_link * micro_batches / (hardware.host_link_gbps * 1e9)
+    communication = traffic.peer_bytes * micro_batches / (hardware.peer_link_gbps * 1e9)
     per_call, per_kernel = hardware.region_seconds.get(checkpoint_mode, (0.0, 0.0))
     checkpointing = (regions * per_call + region_kernels * per_kernel) * micro_batches
-    return StepCost(compute, memory, launch, offload, communication, checkpointing)
+    host = 0.0
+    if traffic.optimizer_on_host:
+        host = 2 * optimizer_share.bytes_written / (hardware.host_memory_gbps * 1e9)
+        host += optimizer_share.kernels * hardware.kernel_seconds
+    return StepCost(compute, memory, launch, offload, communication, checkpointing, host)

@@ -11,40 +11,75 @@ profile of its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_memopt.checkpointing import SAVED_OP_NAMES
 from lightning_memopt.memory.profile import MemoryProfile
+from lightning_memopt.memory.tracker import CATEGORIES, PARAMETER_CAST
 from lightning_memopt.memory.work import Work
 
 STEP_PHASES = ("forward", "backward")
+# the moments a step's memory is known at: each phase's peak, and the backward pass at its most bytes other than
+# gradients (the peak once gradients are sharded, when the unsharded one is late in backward with most of them)
+STEP_MOMENTS = ("forward", "backward", "backward less gradients")
+# ... and where backward ends (every gradient there, the activations gone): checkpointing does not change it
+MOMENTS = ("setup", *STEP_MOMENTS, "backward end", "optimizer")
 
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """A candidate's predicted peak, its breakdown, and the work and offload of one of its micro-batches."""
+    """A candidate's device memory at the moments of :data:`MOMENTS`, its host memory, and the work of a micro-batch.
 
-    peak_bytes: int
-    breakdown: dict[str, int]
+    ``phases`` holds the device bytes by category at each moment (the peaks of setup, forward,
+    backward and the optimizer step, and the backward pass at its most bytes other than
+    gradients); the peak is the largest of them. ``parameter_casts`` are the bytes of parameters
+    cast to the compute dtype by autocast alive at the step's moments (part of their
+    activations). ``host`` is host memory at its peak, by category.
+    """
+
+    phases: dict[str, dict[str, int]]
     step_work: Work
     optimizer_work: Work
-    offloaded_bytes: float
+    offloaded_bytes: float  # activation bytes one micro-batch offloads to the host
     regions: int = 0  # checkpointed block calls per micro-batch
     region_kernels: float = 0.0  # the forward kernels inside them
+    parameter_casts: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda phase: sum(self.phases[phase].values()), default="setup")
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.phases.get(self.peak_phase, {}).values())
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        """Device bytes by category at the peak."""
+        return dict(self.phases.get(self.peak_phase, dict.fromkeys(CATEGORIES, 0)))
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
 
 
 def from_profile(profile: MemoryProfile, extra_bytes: int = 0) -> StepEstimate:
-    """A profiled candidate as an estimate; ``extra_bytes`` join its forward/backward peak (accumulated gradients)."""
-    step_peak = max(profile.phase_peaks.get(phase, 0) for phase in STEP_PHASES) + extra_bytes
-    peak = max(step_peak, profile.phase_peaks.get("optimizer", 0), profile.phase_peaks.get("setup", 0))
-    breakdown = dict(profile.breakdown)
-    breakdown["gradients"] += extra_bytes if peak == step_peak else 0
+    """A profiled candidate as an estimate; ``extra_bytes`` join its forward/backward gradients (accumulated ones)."""
+    phases = {
+        moment: dict(profile.phase_breakdowns[moment]) for moment in MOMENTS if moment in profile.phase_breakdowns
+    }
+    for moment in (*STEP_MOMENTS, "backward end"):
+        if moment in phases:
+            phases[moment]["gradients"] += extra_bytes
+    offloaded = float(profile.offloaded_bytes)
     return StepEstimate(
-        peak,
-        breakdown,
+        phases,
         profile.work(STEP_PHASES),
         profile.work(("optimizer",)),
-        float(profile.offloaded_bytes),
+        offloaded,
+        parameter_casts={moment: profile.parameter_casts.get(moment, 0) for moment in STEP_MOMENTS},
+        host={"activations": int(offloaded)} if offloaded else {},
     )
 
 
@@ -64,11 +99,19 @@ def checkpointed(anchor: MemoryProfile, blocks: list[str], mode: str, extra_byte
         True
     """
     freed = {name: _freed_bytes(anchor, name, mode) for name in blocks}
+    # forward ends with all of it freed; in backward one block at a time holds its part again
+    savings = {"forward": sum(freed.values())}
     saving = sum(freed.values()) - max(freed.values(), default=0)
-    step_peak = max(anchor.phase_peaks.get(phase, 0) for phase in STEP_PHASES) + extra_bytes - saving
-    peak = max(step_peak, anchor.phase_peaks.get("optimizer", 0), anchor.phase_peaks.get("setup", 0))
-    breakdown = dict(anchor.breakdown)
-    breakdown["activations"] = max(0, breakdown["activations"] - saving)
+    # the parameter casts the checkpointed blocks kept are freed with them (recomputed in backward)
+    casts_freed = sum(anchor.blocks[name].by_op.get(PARAMETER_CAST, 0) for name in blocks if name in anchor.blocks)
+    base = from_profile(anchor, extra_bytes)
+    phases = {phase: dict(breakdown) for phase, breakdown in base.phases.items()}
+    casts = dict(base.parameter_casts)
+    for moment in STEP_MOMENTS:
+        if moment in phases:
+            activations = phases[moment]["activations"]
+            phases[moment]["activations"] = max(0, activations - savings.get(moment, saving))
+            casts[moment] = max(0, min(casts.get(moment, 0) - casts_freed, phases[moment]["activations"]))
     recompute = Work()
     for name in blocks:
         forward = anchor.work(("forward",), (name,))
@@ -79,7 +122,16 @@ def checkpointed(anchor: MemoryProfile, blocks: list[str], mode: str, extra_byte
     regions = sum(anchor.blocks[name].calls for name in blocks if name in anchor.blocks)  # absent: never called
     region_kernels = anchor.work(("forward",), tuple(blocks)).kernels
     step_work = anchor.work(STEP_PHASES) + recompute
-    return StepEstimate(peak, breakdown, step_work, anchor.work(("optimizer",)), offloaded, regions, region_kernels)
+    return StepEstimate(
+        phases,
+        step_work,
+        anchor.work(("optimizer",)),
+        offloaded,
+        regions,
+        region_kernels,
+        parameter_casts=casts,
+        host={"activations": int(offloaded)} if offloaded else {},
+    )
 
 
 def _freed_bytes(anchor: MemoryProfile, block: str, mode: str) -> int:

@@ -2,8 +2,11 @@
 
 Figures are the vendors' dense peak rates (matmuls in fp32 without TF32, and fp16/bf16 on tensor
 cores), memory bandwidth, host link (PCIe, each way) and peer link (NVLink where the board has it).
-Memory is what ``nvidia-smi`` reports as the card's total. The planner only compares candidates
-on one device, so the rates matter through their ratios.
+Memory is what ``nvidia-smi`` reports as the card's total. The host's memory bandwidth (what a
+CPU-offloaded optimizer step streams through) is typical of the machines these boards sit in, not
+of a board: about 50 GB/s for a desktop (two DDR4 / DDR5 channels), 100 GB/s for a server socket
+(eight DDR4 channels, as sustained by a memory-bound loop), 150 GB/s for a DDR5 server. The
+planner only compares candidates on one device, so the rates matter through their ratios.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class Hardware:
         memory_gbps: device memory bandwidth, GB/s.
         host_link_gbps: device ↔ host copies (activation offload), GB/s each way.
         peer_link_gbps: device ↔ device (FSDP gathers and reductions), GB/s each way.
+        host_memory_gbps: the host's memory bandwidth, GB/s: the optimizer step under CPU offload
+            runs at it (measured by :func:`measure_cpu`; the catalogue's are typical hosts).
         kernel_seconds: the fixed cost of one kernel launch.
         region_seconds: the host-side cost of checkpointing, by mode (``full``, ``selective``,
             ``offload``): seconds per checkpointed block call and per forward kernel inside it
@@ -55,6 +60,7 @@ class Hardware:
     memory_gbps: float
     host_link_gbps: float
     peer_link_gbps: float
+    host_memory_gbps: float = 100.0
     kernel_seconds: float = 5e-6
     region_seconds: dict[str, tuple[float, float]] = field(default_factory=dict)
     fused_attention_wins: bool = True
@@ -69,24 +75,26 @@ class Hardware:
         return "bf16-mixed" if self.bf16 else "16-mixed"
 
 
-def _gpu(name: str, mib: int, bf16: bool, full: float, half: float, hbm: float, host: float, peer: float) -> Hardware:
-    return Hardware(name, mib * _MIB, bf16, full, half, hbm, host, peer)
+def _gpu(
+    name: str, mib: int, bf16: bool, full: float, half: float, hbm: float, host: float, peer: float, dram: float
+) -> Hardware:
+    return Hardware(name, mib * _MIB, bf16, full, half, hbm, host, peer, dram)
 
 
 GPUS: dict[str, Hardware] = {
     gpu.name: gpu
     for gpu in (
-        _gpu("v100_16gb", 16160, False, 15.7, 125.0, 900.0, 12.0, 150.0),
-        _gpu("v100_32gb", 32510, False, 15.7, 125.0, 900.0, 12.0, 150.0),
-        _gpu("t4_16gb", 15360, False, 8.1, 65.0, 320.0, 12.0, 12.0),
-        _gpu("rtx3090_24gb", 24576, True, 35.6, 71.0, 936.0, 25.0, 25.0),
-        _gpu("rtx4090_24gb", 24564, True, 82.6, 165.2, 1008.0, 25.0, 25.0),
-        _gpu("l4_24gb", 23034, True, 30.3, 121.0, 300.0, 25.0, 25.0),
-        _gpu("a100_40gb", 40960, True, 19.5, 312.0, 1555.0, 25.0, 300.0),
-        _gpu("a100_80gb", 81920, True, 19.5, 312.0, 2039.0, 25.0, 300.0),
-        _gpu("a800_80gb", 81920, True, 19.5, 312.0, 2039.0, 25.0, 200.0),
-        _gpu("h100_80gb", 81559, True, 67.0, 989.0, 3350.0, 50.0, 450.0),
-        _gpu("h200_141gb", 143771, True, 67.0, 989.0, 4800.0, 50.0, 450.0),
+        _gpu("v100_16gb", 16160, False, 15.7, 125.0, 900.0, 12.0, 150.0, 100.0),
+        _gpu("v100_32gb", 32510, False, 15.7, 125.0, 900.0, 12.0, 150.0, 100.0),
+        _gpu("t4_16gb", 15360, False, 8.1, 65.0, 320.0, 12.0, 12.0, 100.0),
+        _gpu("rtx3090_24gb", 24576, True, 35.6, 71.0, 936.0, 25.0, 25.0, 50.0),
+        _gpu("rtx4090_24gb", 24564, True, 82.6, 165.2, 1008.0, 25.0, 25.0, 50.0),
+        _gpu("l4_24gb", 23034, True, 30.3, 121.0, 300.0, 25.0, 25.0, 100.0),
+        _gpu("a100_40gb", 40960, True, 19.5, 312.0, 1555.0, 25.0, 300.0, 100.0),
+        _gpu("a100_80gb", 81920, True, 19.5, 312.0, 2039.0, 25.0, 300.0, 100.0),
+        _gpu("a800_80gb", 81920, True, 19.5, 312.0, 2039.0, 25.0, 200.0, 100.0),
+        _gpu("h100_80gb", 81559, True, 67.0, 989.0, 3350.0, 50.0, 450.0, 150.0),
+        _gpu("h200_141gb", 143771, True, 67.0, 989.0, 4800.0, 50.0, 450.0, 150.0),
     )
 }
 # substrings of torch.cuda.get_device_name() -> catalogue entries, by total memory where names repeat
@@ -149,7 +157,7 @@ def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5) -> Hardwar
     host time per kernel and what checkpointing one of its blocks adds in each mode.
 
     ``memory_bytes`` is the budget (a :class:`~lightning_memopt.memory.SimulatedDevice`'s); the
-    host link is a copy in memory.
+    host link, the peer link and the host's memory bandwidth are a copy in memory.
     """
     a = torch.randn(size, size)
     half = a.bfloat16()
@@ -168,7 +176,20 @@ def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5) -> Hardwar
     half_rate = flops / best(lambda: half @ half) / 1e12
     copy = 2 * big.nbytes / best(lambda: big.clone()) / 1e9
     kernel, regions = _small_step_seconds(best)
-    return Hardware("cpu", memory_bytes, True, full, half_rate, copy, copy, copy, kernel, regions, False)
+    return Hardware(
+        "cpu",
+        memory_bytes,
+        True,
+        full,
+        half_rate,
+        memory_gbps=copy,
+        host_link_gbps=copy,
+        peer_link_gbps=copy,
+        host_memory_gbps=copy,
+        kernel_seconds=kernel,
+        region_seconds=regions,
+        fused_attention_wins=False,
+    )
 
 
 class _Block(nn.Module):

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_memopt.models.structure import ATTENTION_IMPLS
+from lightning_memopt.planner.sharding import Sharding
 
 CHECKPOINT_MODES = ("none", "selective", "full", "offload")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
@@ -13,7 +14,7 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 
 @dataclass(frozen=True)
 class Knobs:
-    """Precision, attention kernel, activation checkpointing, micro-batch size and FSDP sharding.
+    """Precision, attention kernel, activation checkpointing, micro-batch size, FSDP sharding and CPU offload.
 
     Args:
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"``.
@@ -24,7 +25,10 @@ class Knobs:
         every_n: checkpoint every n-th of each run of sibling blocks (1: all of them).
         micro_batch_size: split each batch into micro-batches of this size, gradients accumulated
             into the same optimizer step; ``None``: whole batches.
-        shards: FSDP full sharding over this many GPUs (1: no sharding).
+        shards: FSDP (``fsdp_memopt``) over this many GPUs: each holds 1/``shards`` of the
+            parameters, gradients and optimizer state (1: no sharding).
+        cpu_offload: keep the (sharded) parameters, gradients and optimizer state in host memory
+            and run the optimizer step there (``fsdp_memopt`` with ``cpu_offload``, at any ``shards``).
 
     Raises:
         ValueError: for a value outside the choices above.
@@ -36,6 +40,8 @@ class Knobs:
         'bf16-mixed, full every 2'
         >>> knobs.checkpoint_policy()
         {'modules': 'auto', 'every_n': 2, 'mode': 'full'}
+        >>> Knobs("bf16-mixed", shards=4, cpu_offload=True).describe()
+        'bf16-mixed, FSDP ×4, CPU offload'
     """
 
     precision: str = "32-true"
@@ -44,6 +50,7 @@ class Knobs:
     every_n: int = 1
     micro_batch_size: int | None = None
     shards: int = 1
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
@@ -54,6 +61,8 @@ class Knobs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}`={value!r} must be a positive int")
+        if not isinstance(self.cpu_offload, bool):
+            raise ValueError(f"`cpu_offload`={self.cpu_offload!r} must be True or False")
         size = self.micro_batch_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"`micro_batch_size`={size!r} must be a positive int or None")
@@ -69,7 +78,7 @@ class Knobs:
         return {"modules": blocks, "every_n": self.every_n if self.every_n > 1 else None, "mode": self.checkpoint}
 
     def describe(self) -> str:
-        """A short, readable form: ``"bf16-mixed, sdpa, full every 2, micro-batch 32, FSDP ×4"``."""
+        """A short, readable form: ``"bf16-mixed, sdpa, full every 2, micro-batch 32, FSDP ×4, CPU offload"``."""
         parts = [self.precision]
         if self.attn_impl is not None:
             parts.append(self.attn_impl)
@@ -77,9 +86,13 @@ class Knobs:
             parts.append(self.checkpoint + (f" every {self.every_n}" if self.every_n > 1 else ""))
         if self.micro_batch_size is not None:
             parts.append(f"micro-batch {self.micro_batch_size}")
-        if self.shards > 1:
-            parts.append(f"FSDP ×{self.shards}")
-        return ", ".join(parts)
+        sharding = self.sharding.describe()
+        return ", ".join([*parts, sharding] if sharding else parts)
+
+    @property
+    def sharding(self) -> Sharding:
+        """How these knobs shard the step (FSDP degree and CPU offload)."""
+        return Sharding(self.shards, self.cpu_offload)
 
     def as_dict(self) -> dict[str, Any]:
         """The knobs as plain values (the ``knobs`` argument of :class:`~lightning_memopt.MemoryBudget`)."""

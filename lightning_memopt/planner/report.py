@@ -39,7 +39,9 @@ class Plan:
     def table(self) -> str:
         """Every candidate (peak, breakdown, step time, fits), what was skipped, the choice and the options."""
         unit, scale = ("GiB", _GIB) if self.hardware.memory_bytes >= _GIB else ("MiB", 2**20)
+        on_host = any(candidate.host_bytes for candidate in self.candidates)
         header = f"{'':2}{'candidate':<44}{'peak ' + unit:>9}" + "".join(f"{_short(k):>8}" for k in _SHOWN)
+        header += f"{'host':>8}" if on_host else ""
         header += f"{'step s':>10}  {'fits':<5}{'how'}"
         lines = [
             f"device {self.hardware.name}: {self.hardware.memory_bytes / scale:.2f} {unit}, plan within "
@@ -50,6 +52,7 @@ class Plan:
         for candidate in sorted(self.candidates, key=lambda c: (c.cost.total, c.peak_bytes)):
             mark = "→" if candidate is self.chosen else ""
             breakdown = "".join(f"{candidate.breakdown.get(k, 0) / scale:>8.2f}" for k in _SHOWN)
+            breakdown += f"{candidate.host_bytes / scale:>8.2f}" if on_host else ""
             how = candidate.how
             if candidate.estimated_bytes is not None:
                 how += f" (estimated {candidate.estimated_bytes / scale:.2f})"
@@ -63,12 +66,20 @@ class Plan:
         for knobs, reason in self.rejected:
             lines.append(f"  {knobs.describe():<44}{'—':>9}  left out: {reason}")
         lines += self.notes
+        if on_host:
+            lines.append(
+                f"host: host memory ({unit}) at its peak: offloaded activations; with CPU offload the parameter "
+                "shards, gradients and optimizer state"
+            )
         if self.chosen is None:
             lines.append("no configuration that keeps the result fits")
         else:
+            host = self.chosen.host_bytes
             lines.append(
                 f"chosen: {self.chosen.knobs.describe()}: peak {self.chosen.peak_bytes / scale:.2f} {unit} "
-                f"({self.chosen.how}), about {self.chosen.cost.total:.4f} s per step"
+                f"({self.chosen.how})"
+                + (f", {host / scale:.2f} {unit} of host memory" if host else "")
+                + f", about {self.chosen.cost.total:.4f} s per step{_cost_parts(self.chosen)}"
             )
         if self.options:
             lines.append("options that change the result (measured with the chosen knobs):")
@@ -115,9 +126,18 @@ class Plan:
             "fits": True,
             **{f"knobs.{k}": v for k, v in self.chosen.knobs.as_dict().items()},
             "predicted_peak_gib": round(self.chosen.peak_bytes / _GIB, 3),
+            "predicted_host_gib": round(self.chosen.host_bytes / _GIB, 3),
             "estimated_step_seconds": self.chosen.cost.total,
             "budget_gib": round(self.hardware.memory_gib, 3),
         }
+
+
+def _cost_parts(candidate: Candidate) -> str:
+    """What sharding and offload add to a step: `` (communication 0.03 s, host link 1.0 s, host 0.5 s)``."""
+    cost = candidate.cost
+    parts = [("communication", cost.communication), ("host link", cost.offload), ("host optimizer step", cost.host)]
+    shown = [f"{name} {seconds:.4f} s" for name, seconds in parts if seconds > 0]
+    return f" ({', '.join(shown)})" if shown else ""
 
 
 def _short(category: str) -> str:

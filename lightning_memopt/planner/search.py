@@ -4,8 +4,9 @@ The search runs over groups of (precision, attention kernel, micro-batch size), 
 a lower bound on their step time; a group that cannot beat the best plan found is not profiled.
 In a group, one fake-mode profile without checkpointing (the anchor) gives every checkpointing
 candidate's estimate (:mod:`~lightning_memopt.planner.estimate`); the cheapest estimates that
-could fit are then profiled with their checkpointing applied, until one fits. With several GPUs,
-FSDP sharding of each candidate is estimated from its profile.
+could fit are then profiled with their checkpointing applied, until one fits. Each of them is also
+a candidate sharded with FSDP over each shard degree considered and with CPU offload, one rank's
+memory and traffic predicted from the unsharded step (:mod:`~lightning_memopt.planner.sharding`).
 """
 
 from __future__ import annotations
@@ -21,17 +22,28 @@ from torch import nn
 from lightning_memopt.accumulation.split import batch_size, slice_batch
 from lightning_memopt.checkpointing import Policy, apply_activation_checkpointing, check_blocks
 from lightning_memopt.memory.profile import LossFn, MemoryProfile, OptimizerSource, profile_step
+from lightning_memopt.memory.tracker import CATEGORIES
 from lightning_memopt.memory.work import Work
 from lightning_memopt.models.structure import model_structure, set_attention
 from lightning_memopt.planner.cost import StepCost, step_cost
-from lightning_memopt.planner.estimate import StepEstimate, checkpointed, from_profile
+from lightning_memopt.planner.estimate import MOMENTS, StepEstimate, checkpointed, from_profile
 from lightning_memopt.planner.hardware import Hardware
 from lightning_memopt.planner.knobs import Knobs
 from lightning_memopt.planner.options import MeasuredOption, ResultChangingOption, measure_options
 from lightning_memopt.planner.report import Plan
+from lightning_memopt.planner.sharding import (
+    UNSHARDED,
+    ShardedModel,
+    ShardedTraffic,
+    Sharding,
+    sharded_estimate,
+    sharded_traffic,
+)
 from lightning_memopt.selection import describe_model
+from lightning_memopt.strategies.sharding import ShardingError
 
 _GIB = 2**30
+_ROUND_TO = 512  # the profiles count each tensor in 512-byte blocks, as the CUDA caching allocator
 # estimates run up to 15 % over their profiles (offload, mixed precision): those within 20 % of the limit are profiled
 CONFIRM_WINDOW = 1.2
 # checkpointing from cheapest to most saving: (mode, every_n)
@@ -59,7 +71,8 @@ class Candidate:
     estimate: StepEstimate
     cost: StepCost
     fits: bool
-    how: str  # "profiled", "estimated" (from the group's anchor) or "sharded" (FSDP, from a profiled candidate)
+    # "profiled", "estimated" (from the group's anchor) or "sharded" (FSDP / CPU offload, from a profiled step)
+    how: str
     estimated_bytes: int | None = None  # for a profiled candidate first estimated: that estimate
 
     @property
@@ -69,6 +82,10 @@ class Candidate:
     @property
     def breakdown(self) -> dict[str, int]:
         return self.estimate.breakdown
+
+    @property
+    def host_bytes(self) -> int:
+        return self.estimate.host_bytes
 
 
 @dataclass
@@ -87,11 +104,12 @@ class _Search:
     optimizer: OptimizerSource | None
     hardware: Hardware
     limit: int
-    devices: int
+    layouts: list[Sharding]  # the FSDP shard degrees and CPU offload considered, unsharded first
+    sharded_model: ShardedModel | None  # its FSDP units (None: no sharding considered)
+    gather_as_stored: bool  # fsdp_memopt gathers units as stored under mixed precision (PrecisionSwitch's)
     block_spec: Any  # the policy's modules: "auto" or the classes, paths and globs given as `blocks`
     blocks: list[str]
     selections: dict[int, list[str]]  # every_n -> the blocks it checkpoints
-    block_parameter_bytes: int
     trainable_bytes: int
     progress: Any
     profiles: int = 0
@@ -124,7 +142,7 @@ class _Search:
             steps=1,
             warm_optimizer=True,
             prepare_model=prepare,
-            round_to=512,
+            round_to=_ROUND_TO,
             blocks=tuple(self.blocks) if knobs.checkpoint == "none" and model is None else (),
         )
         self.profiles += 1
@@ -141,15 +159,18 @@ class _Search:
         return self.trainable_bytes if knobs.micro_batch_size is not None else 0
 
     def candidate(self, knobs: Knobs, estimate: StepEstimate, how: str) -> Candidate:
-        parameter_bytes = estimate.breakdown.get("parameters", 0)
+        """``knobs`` with ``estimate`` of the step unsharded: sharded as the knobs say, priced, listed."""
+        traffic = self.traffic(knobs)
+        if knobs.sharding.active:
+            estimate = self.sharded(knobs, estimate)
+            how = "sharded" if how == "profiled" else how
         cost = step_cost(
             estimate.step_work,
             estimate.optimizer_work,
             self.hardware,
             micro_batches=self.micro_batches(knobs),
             offloaded_bytes=estimate.offloaded_bytes,
-            shards=knobs.shards,
-            parameter_bytes=parameter_bytes / (2 if knobs.precision != "32-true" else 1),
+            traffic=traffic,
             checkpoint_mode=knobs.checkpoint,
             regions=estimate.regions,
             region_kernels=estimate.region_kernels,
@@ -158,16 +179,27 @@ class _Search:
         self.candidates.append(found)
         return found
 
-    def sharded(self, candidate: Candidate) -> Candidate:
-        """FSDP over ``devices``: the model states split ``devices`` ways, two blocks' parameters gathered at once."""
-        states = ("parameters", "gradients", "optimizer_state")
-        saving = int(sum(candidate.breakdown[key] for key in states) * (1 - 1 / self.devices))
-        saving -= 2 * self.block_parameter_bytes
-        breakdown = {
-            key: nbytes // self.devices if key in states else nbytes for key, nbytes in candidate.breakdown.items()
-        }
-        estimate = replace(candidate.estimate, peak_bytes=candidate.peak_bytes - max(saving, 0), breakdown=breakdown)
-        return self.candidate(replace(candidate.knobs, shards=self.devices), estimate, "sharded")
+    def sharded(self, knobs: Knobs, estimate: StepEstimate) -> StepEstimate:
+        """One rank's ``estimate`` (of the step unsharded) under ``knobs``' sharding."""
+        if self.sharded_model is None:
+            return estimate
+        return sharded_estimate(estimate, self.sharded_model, self._sharding(knobs), knobs.precision)
+
+    def traffic(self, knobs: Knobs) -> ShardedTraffic:
+        """What ``knobs``' sharding moves per micro-batch, and the share of the optimizer step left on the device."""
+        if self.sharded_model is None:
+            return UNSHARDED
+        return sharded_traffic(self.sharded_model, self._sharding(knobs), knobs.precision)
+
+    def _sharding(self, knobs: Knobs) -> Sharding:
+        return replace(knobs.sharding, gather_as_stored=self.gather_as_stored)
+
+    def candidates_of(self, knobs: Knobs, estimate: StepEstimate, how: str) -> list[Candidate]:
+        """``knobs`` (unsharded) in every layout considered."""
+        return [
+            self.candidate(replace(knobs, shards=layout.shards, cpu_offload=layout.cpu_offload), estimate, how)
+            for layout in self.layouts
+        ]
 
 
 def plan(
@@ -179,6 +211,9 @@ def plan(
     optimizer: OptimizerSource | None = None,
     safety_margin: float = 0.1,
     devices: int = 1,
+    shards: Sequence[int] | None = None,
+    cpu_offload: Sequence[bool] = (False, True),
+    gather_as_stored: bool = False,
     precisions: Sequence[str] | None = None,
     attn_impls: Sequence[str | None] | None = None,
     micro_batching: bool | None = None,
@@ -196,7 +231,16 @@ def plan(
         hardware: the device (:func:`~lightning_memopt.planner.gpu`, :func:`~lightning_memopt.planner.with_budget`).
         loss_fn / optimizer: for a plain module, as in :func:`~lightning_memopt.memory.profile_step`.
         safety_margin: the fraction of memory kept free (CUDA context, fragmentation, kernels' workspaces).
-        devices: GPUs to train on; above 1, FSDP sharding is a candidate too.
+        devices: the GPUs there are; sharding with FSDP (``fsdp_memopt``) over up to this many is a
+            candidate too.
+        shards: the FSDP shard degrees to consider (each a number of GPUs, at most ``devices``);
+            default 1 (no sharding), every power of two below ``devices``, and ``devices``.
+        cpu_offload: whether to consider keeping parameters, gradients and optimizer state in host
+            memory (``fsdp_memopt`` with ``cpu_offload``), at every shard degree: ``(False, True)``
+            both, ``(False,)`` never.
+        gather_as_stored: under a mixed precision ``fsdp_memopt`` gathers the units as stored
+            (fp32; autocast casts the weights): what it does when PrecisionSwitch applies the
+            precision (``MemoryBudget``). Default: in the half precision, as when the Trainer runs it.
         precisions: the precisions to consider; default the device's mixed precision and ``32-true``.
         attn_impls: attention kernels to consider; default ``sdpa`` when the model has attention,
             and ``math`` too on a device where fused attention may be slower (the CPU).
@@ -213,9 +257,11 @@ def plan(
             fits, as many more (at least one) of those estimated to fit are confirmed.
 
     Raises:
-        PlanError: the budget is smaller than parameters + gradients + optimizer state alone; the
-            message shows that breakdown and the result-changing options; ``blocks`` that match
-            no module.
+        PlanError: the budget is smaller than what parameters, gradients and optimizer state need on
+            the device in the most saving layout considered (sharded ``max(shards)`` ways, or with
+            CPU offload the units in flight); the message shows that breakdown, what sharding and
+            offload would need, and the result-changing options; ``blocks`` that match no module;
+            only sharded layouts asked of a model ``fsdp_memopt`` cannot shard.
         ValueError: a bad argument.
 
     Example::
@@ -232,6 +278,7 @@ def plan(
         raise ValueError(f"`safety_margin`={safety_margin!r} must be in [0, 1)")
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"`devices`={devices!r} must be a positive int")
+    layouts = _layouts(devices, shards, cpu_offload)
     check_blocks(blocks)
     factory = (lambda: model) if isinstance(model, nn.Module) else model
     with torch.device("meta"):
@@ -241,7 +288,6 @@ def plan(
     if not found and Policy(blocks).modules is not None:
         raise PlanError(f"`blocks`={blocks!r} match no module of the model; {describe_model(described)}")
     selections = {n: [name for name, _ in Policy(blocks, every_n=n).matches(described)] for n in {n for _, n in LADDER}}
-    block_bytes = max((_parameter_bytes(module) for _, module in found), default=0)
     trainable = sum(p.numel() * 4 for p in described.parameters() if p.requires_grad)
     has_attention = bool(structure.attention)
     coupled = bool(getattr(described, "batch_coupled_loss", False))
@@ -262,6 +308,15 @@ def plan(
     use_micro = (not coupled) if micro_batching is None else micro_batching
     if not use_micro:
         notes.append("micro-batching not considered: the loss couples the samples of a batch")
+    sharded_model = None
+    if any(layout.active for layout in layouts):
+        try:
+            sharded_model = ShardedModel.of(described, blocks, round_to=_ROUND_TO)
+        except ShardingError as error:
+            layouts = [layout for layout in layouts if not layout.active]
+            if not layouts:
+                raise PlanError(f"fsdp_memopt cannot shard the model: {error}") from None
+            notes.append(f"FSDP sharding and CPU offload not considered: {error}")
     limit = int(hardware.memory_bytes * (1 - safety_margin))
     progress_bar = _progress_bar() if progress else None
     search = _Search(
@@ -271,11 +326,12 @@ def plan(
         optimizer,
         hardware,
         limit,
-        devices,
+        layouts,
+        sharded_model,
+        gather_as_stored,
         blocks,
         [name for name, _ in found],
         selections,
-        block_bytes,
         trainable,
         progress_bar,
     )
@@ -369,7 +425,8 @@ def _blocks_note(blocks: Any, structure: Any, found: list[tuple[str, nn.Module]]
 def _search_group(search: _Search, group: _Group, anchor: MemoryProfile, verify: int) -> Candidate | None:
     base = Knobs(group.precision, group.attn_impl, micro_batch_size=group.micro_batch_size)
     extra = search.accumulation_bytes(base)
-    estimates: list[Candidate] = [search.candidate(base, from_profile(anchor, extra), "profiled")]
+    confirmed = search.candidates_of(base, from_profile(anchor, extra), "profiled")
+    estimates: list[Candidate] = []
     seen: set[tuple[str, tuple[str, ...]]] = set()
     for mode, every_n in LADDER[1:]:
         chosen = search.selections[every_n]
@@ -378,54 +435,49 @@ def _search_group(search: _Search, group: _Group, anchor: MemoryProfile, verify:
             continue
         seen.add(key)
         knobs = replace(base, checkpoint=mode, every_n=every_n)
-        estimates.append(search.candidate(knobs, checkpointed(anchor, chosen, mode, extra), "estimated"))
-    best: Candidate | None = estimates[0] if estimates[0].fits else None
-    profiled = [estimates[0]]
-    ordered = sorted(estimates[1:], key=lambda c: c.cost.total)
+        estimates += search.candidates_of(knobs, checkpointed(anchor, chosen, mode, extra), "estimated")
+    best = _cheapest_fitting(confirmed, None)
+    ordered = sorted(estimates, key=lambda c: c.cost.total)
     tries = 0
     for estimate in ordered:
         if best is not None and estimate.cost.total >= best.cost.total:
             break
-        if tries >= verify or estimate.peak_bytes > search.limit * CONFIRM_WINDOW:
+        confirmed_already = estimate not in search.candidates  # as another layout of the same knobs
+        if confirmed_already or tries >= verify or estimate.peak_bytes > search.limit * CONFIRM_WINDOW:
             continue
         tries += 1
-        best = _confirm(search, estimate, extra, profiled, best)
+        best = _cheapest_fitting(_confirm(search, estimate.knobs, extra, estimates), best)
     # the tries went to estimates just over the limit: confirm the cheapest ones estimated to fit as well
-    fitting = [c for c in ordered if c.fits and c.how == "estimated" and c in search.candidates]
+    fitting = [c for c in ordered if c.fits and c in search.candidates]
     for estimate in fitting[: max(verify, 1)]:
         if best is not None:
             break
-        best = _confirm(search, estimate, extra, profiled, best)
-    if search.devices > 1:
-        best = _best_sharded(search, profiled, best)
+        if estimate in search.candidates:
+            best = _cheapest_fitting(_confirm(search, estimate.knobs, extra, estimates), best)
     return best
 
 
-def _confirm(
-    search: _Search, estimate: Candidate, extra: int, profiled: list[Candidate], best: Candidate | None
-) -> Candidate | None:
-    """Profile ``estimate``'s knobs in place of the estimate; the better of it (if it fits) and ``best``."""
-    search.candidates.remove(estimate)  # the profile replaces the estimate
-    planned = estimate.estimate
+def _cheapest_fitting(candidates: list[Candidate], best: Candidate | None) -> Candidate | None:
+    for candidate in candidates:
+        if candidate.fits and (best is None or candidate.cost.total < best.cost.total):
+            best = candidate
+    return best
+
+
+def _confirm(search: _Search, knobs: Knobs, extra: int, estimates: list[Candidate]) -> list[Candidate]:
+    """Profile the checkpointing of ``knobs``, in place of its estimates in every layout; the confirmed candidates."""
+    unsharded = replace(knobs, shards=1, cpu_offload=False)
+    replaced = {c.knobs: c for c in estimates if replace(c.knobs, shards=1, cpu_offload=False) == unsharded}
+    for candidate in replaced.values():
+        search.candidates.remove(candidate)  # the profile replaces the estimate
+    planned = next(iter(replaced.values())).estimate
     profiled_estimate = replace(
-        from_profile(search.profile(estimate.knobs), extra),
-        regions=planned.regions,
-        region_kernels=planned.region_kernels,
+        from_profile(search.profile(unsharded), extra), regions=planned.regions, region_kernels=planned.region_kernels
     )
-    confirmed = search.candidate(estimate.knobs, profiled_estimate, "profiled")
-    confirmed.estimated_bytes = estimate.peak_bytes
-    profiled.append(confirmed)
-    if confirmed.fits and (best is None or confirmed.cost.total < best.cost.total):
-        return confirmed
-    return best
-
-
-def _best_sharded(search: _Search, profiled: list[Candidate], best: Candidate | None) -> Candidate | None:
-    for candidate in profiled:
-        sharded = search.sharded(candidate)
-        if sharded.fits and (best is None or sharded.cost.total < best.cost.total):
-            best = sharded
-    return best
+    confirmed = search.candidates_of(unsharded, profiled_estimate, "profiled")
+    for candidate in confirmed:
+        candidate.estimated_bytes = replaced[candidate.knobs].peak_bytes
+    return confirmed
 
 
 def _measure_options(
@@ -433,14 +485,15 @@ def _measure_options(
 ) -> list[MeasuredOption]:
     if not options:
         return []
-    if best is not None and best.knobs.shards == 1:
+    if best is not None and not best.knobs.sharding.active:
         exact = best.how == "profiled" and best.knobs.micro_batch_size is None
         return measure_options(search.profile, best.knobs, options, best.peak_bytes if exact else None)
     return measure_options(search.profile, Knobs(first.precision, first.attn_impl, checkpoint="full"), options)
 
 
 def _lower_bound(search: _Search, reference: MemoryProfile, group: _Group) -> float:
-    """No group step is faster than the reference's work with every flop at the group's precision, unrecomputed."""
+    """No group step is faster than the reference's work with every flop at the group's precision, unrecomputed,
+    and the smallest share of the optimizer's work any layout leaves on the device."""
     work = reference.work(("forward", "backward"))
     flops = work.flops
     half = group.precision != "32-true"
@@ -453,29 +506,56 @@ def _lower_bound(search: _Search, reference: MemoryProfile, group: _Group) -> fl
         kernels=work.kernels,
     )
     knobs = Knobs(group.precision, group.attn_impl, micro_batch_size=group.micro_batch_size)
-    return step_cost(micro, reference.work(("optimizer",)), search.hardware, search.micro_batches(knobs)).total
+    least = min(search.traffic(replace(knobs, shards=layout.shards)).optimizer_share for layout in search.layouts)
+    on_device = 0.0 if any(layout.cpu_offload for layout in search.layouts) else least
+    traffic = ShardedTraffic(0.0, 0.0, on_device)
+    return step_cost(
+        micro, reference.work(("optimizer",)), search.hardware, search.micro_batches(knobs), traffic=traffic
+    ).total
 
 
 def _check_model_states(search: _Search, anchor: MemoryProfile, options: Sequence[ResultChangingOption]) -> None:
+    """Refuse a budget that cannot hold what the model states need on the device in any layout considered."""
     states = {
         "parameters": anchor.breakdown["parameters"],
         "gradients": search.trainable_bytes,
         "optimizer_state": anchor.breakdown["optimizer_state"],
     }
-    shards = search.devices
-    if sum(states.values()) / shards <= search.limit:
+    # the states alone, as a step: what sharding or offload leaves of them, with the units in flight
+    alone = StepEstimate({m: {**dict.fromkeys(CATEGORIES, 0), **states} for m in MOMENTS}, Work(), Work(), 0.0)
+    layouts = [
+        Knobs(anchor.precision, shards=layout.shards, cpu_offload=layout.cpu_offload) for layout in search.layouts
+    ]
+    needs = {knobs.sharding: search.sharded(knobs, alone) for knobs in layouts}
+    if min(estimate.peak_bytes for estimate in needs.values()) <= search.limit:
         return
     lines = [f"  {name:<16}{_format(nbytes):>12}" for name, nbytes in states.items()]
+    for layout, estimate in needs.items():
+        if layout.active:
+            host = f" and {_format(estimate.host_bytes)} of host memory" if estimate.host_bytes else ""
+            lines.append(f"  {layout.describe() + ':':<28}{_format(estimate.peak_bytes)} per GPU{host}")
     listed = "\n".join(f"  - {option.name}: {option.caveat}" for option in options) or "  (none for this model)"
     raise PlanError(
         f"the budget {_format(search.limit)} ({search.hardware.name}, less the safety margin) is smaller "
-        f"than the model states alone ({_format(sum(states.values()))}"
-        + (f", {_format(sum(states.values()) // shards)} per GPU sharded {shards} ways" if shards > 1 else "")
-        + "):\n"
+        f"than the model states alone ({_format(sum(states.values()))}) need on the device in any layout "
+        "considered:\n"
         + "\n".join(lines)
         + "\nno setting that keeps the result can fit; options that change the result:\n"
         + listed
     )
+
+
+def _layouts(devices: int, shards: Sequence[int] | None, cpu_offload: Sequence[bool]) -> list[Sharding]:
+    """Every (shard degree, offload) considered, unsharded first; validates ``shards`` and ``cpu_offload``."""
+    if shards is None:
+        shards = sorted({1, devices, *(2**power for power in range(devices.bit_length()) if 2**power < devices)})
+    for degree in shards:
+        if isinstance(degree, bool) or not isinstance(degree, int) or not 1 <= degree <= devices:
+            raise ValueError(f"`shards` entry {degree!r} must be an int from 1 to `devices`={devices}")
+    if not cpu_offload or any(not isinstance(flag, bool) for flag in cpu_offload):
+        raise ValueError(f"`cpu_offload`={cpu_offload!r} must be a non-empty sequence of True / False")
+    layouts = [Sharding(degree, flag) for degree in shards for flag in cpu_offload]
+    return sorted(set(layouts), key=lambda layout: (layout.active, layout.cpu_offload, layout.shards))
 
 
 def _format(nbytes: float) -> str:
@@ -489,10 +569,6 @@ def _micro_batch_sizes(size: int) -> list[int | None]:
         current = math.ceil(current / 2)
         sizes.append(current)
     return sizes
-
-
-def _parameter_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def _progress_bar() -> Any:

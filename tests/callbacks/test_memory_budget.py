@@ -104,10 +104,61 @@ def test_the_printed_command_composes_to_the_same_knobs():
     assert isinstance(callback, MemoryBudget) and callback.knobs == knobs
 
 
-def test_a_sharded_plan_prints_the_fsdp_command():
-    command = train_command(["model=sapiens_2b"], Knobs("bf16-mixed", checkpoint="full", shards=4))
-    assert "strategy=fsdp_memopt" in command and "trainer.devices=4" in command and "precision=bf16_mixed" in command
-    assert "memopt.callbacks.activation_checkpointing.policy={modules:preset,mode:full}" in command
+def test_a_sharded_or_offloaded_plan_prints_the_fsdp_memopt_command_with_the_same_knobs():
+    knobs = Knobs("bf16-mixed", checkpoint="full", shards=4, cpu_offload=True)
+    command = train_command(["model=sapiens_2b", "strategy=ddp", "trainer.devices=8"], knobs)
+    overrides = command.split()[1:]
+    assert overrides[:5] == [
+        "model=sapiens_2b",
+        "strategy=fsdp_memopt",
+        "trainer.devices=4",
+        "trainer.strategy.cpu_offload=true",
+        "precision=bf16_mixed",  # the Trainer's own: fsdp_memopt gathers the units in it, as planned
+    ]
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    assert cfg.trainer.strategy.cpu_offload is True and cfg.trainer.devices == 4
+    (callback,) = [instantiate(c) for c in cfg.memopt.callbacks.values()]
+    assert isinstance(callback, MemoryBudget) and callback.knobs == knobs
+
+
+def test_only_an_offloaded_plan_fitting_stops_a_single_device_run_with_the_fsdp_command(tmp_path):
+    budget = MemoryBudget(budget=2.5 / 1024, gpu="a100_80gb")  # the model states (3.5 MiB) do not fit unsharded
+    with pytest.raises(MisconfigurationException) as error:
+        _fit(budget, tmp_path)
+    message = str(error.value)
+    assert "smaller than the model states alone" in message and "only a plan with fsdp_memopt fits" in message
+    assert "strategy=fsdp_memopt trainer.devices=1 trainer.strategy.cpu_offload=true" in message
+
+
+def test_given_knobs_that_shard_or_offload_need_fsdp_memopt(tmp_path):
+    with pytest.raises(MisconfigurationException, match="need the fsdp_memopt strategy, not SingleDeviceStrategy: .*"
+                       "strategy=fsdp_memopt trainer.devices=1 trainer.strategy.cpu_offload=true"):  # fmt: skip
+        _fit(MemoryBudget(knobs={"cpu_offload": True}), tmp_path)
+
+
+def test_a_trainer_running_the_plans_precision_itself_gets_no_precision_switch(tmp_path):
+    budget = MemoryBudget(knobs={"precision": "bf16-mixed", "checkpoint": "full"})
+    trainer = _fit(budget, tmp_path, precision="bf16-mixed")  # as memopt-plan's fsdp_memopt commands run
+    assert {type(c) for c in budget.applied} == {AdaptiveAccumulation, ActivationCheckpointing}
+    assert trainer.global_step == 2
+    with pytest.raises(
+        MisconfigurationException, match="`knobs` precision='32-true' but the Trainer runs 'bf16-mixed'"
+    ):
+        _fit(MemoryBudget(knobs={"precision": "32-true"}), tmp_path, precision="bf16-mixed")
+
+
+@pytest.mark.distributed
+def test_under_fsdp_memopt_the_plan_shards_over_the_ranks_and_sets_the_strategy_offload(tmp_path):
+    script = Path(__file__).with_name("memory_budget_fsdp_run.py")
+    result = run_script(script, [str(tmp_path), "2.5", "2"], cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    rank0, rank1 = (torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1))
+    assert rank0["planned_here"] and not rank1["planned_here"] and rank0["knobs"] == rank1["knobs"]
+    assert rank0["knobs"]["shards"] == 2 and rank0["knobs"]["cpu_offload"]  # 2.5 MiB: shards and offload both
+    for rank in (rank0, rank1):
+        assert rank["cpu_offload"] and rank["steps"] == 2
+        assert abs(rank["local_elements"] - rank["elements"] / 2) < rank["elements"] * 0.01
 
 
 def _ddp_ranks(tmp_path, budget_mib):

@@ -99,3 +99,65 @@ def test_bad_arguments_are_named(call, message):
 
 def test_categories_are_the_documented_ones():
     assert CATEGORIES == ("parameters", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
+
+
+def test_a_storage_resized_in_place_counts_at_its_size_and_grown_back_as_gathered_parameters():
+    tracker = MemoryTracker()
+    with tracker:
+        unit = torch.empty(256)  # 1 KiB, as FSDP allocates a unit's gathered parameters
+        unit.untyped_storage().resize_(0)  # freed after the unit's forward
+        assert tracker.live_bytes == 0
+        unit.untyped_storage().resize_(1024)  # gathered again for its backward
+        assert tracker.live_bytes == 1024
+        (record,) = tracker.current().records
+        assert (record.category, record.op) == ("parameters", "gathered parameters")
+    assert tracker.peak.total_bytes == 1024
+    unit.untyped_storage().resize_(0)  # outside the tracker: torch's own resize again
+    assert tracker.live_bytes == 1024 and "resize_" not in torch.UntypedStorage.__dict__
+
+
+def test_each_phase_keeps_its_peak_and_its_peak_of_bytes_other_than_gradients():
+    model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 64))
+    tracker = MemoryTracker()
+    tracker.track_module(model)
+    tracker.label_gradients_on_arrival(model)
+    with tracker:
+        with tracker.in_phase("forward"):
+            loss = model(torch.randn(32, 64)).square().mean()
+        with tracker.in_phase("backward"):
+            loss.backward()
+    tracker.remove_hooks()
+    peak = tracker.phase_peak("backward").by_category()
+    lean = tracker.phase_peak("backward", less_gradients=True).by_category()
+    assert peak["gradients"] == peak["parameters"]  # the most bytes: once every gradient arrived
+    assert lean["gradients"] < peak["gradients"]  # the most other bytes: before the first layer's gradients
+    assert sum(lean.values()) - lean["gradients"] > sum(peak.values()) - peak["gradients"]
+    assert tracker.phase_peaks["backward"] == sum(peak.values())
+
+
+def test_autocast_copies_of_parameters_are_named_as_such():
+    layer = nn.Linear(64, 64)
+    tracker = MemoryTracker()
+    tracker.track_module(layer)
+    with tracker, tracker.in_phase("forward"), torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
+        out = layer(torch.randn(8, 64, requires_grad=True))
+    casts = [r for r in tracker.current().records if r.op == "parameter cast"]  # the bias's copy is gone already
+    assert [(r.shape, r.dtype) for r in casts] == [((64, 64), torch.bfloat16)]  # kept for the input's gradient
+    assert out.dtype == torch.bfloat16
+
+
+def test_host_parameters_take_their_gradients_and_optimizer_state_to_the_host():
+    layer = nn.Linear(100, 50, bias=False)  # 20000 B
+    optimizer = torch.optim.SGD(layer.parameters(), momentum=0.9)
+    tracker = MemoryTracker()
+    tracker.track(layer.parameters(), "parameters", host=True)  # CPU-offloaded shards
+    with tracker:
+        with tracker.in_phase("backward"):
+            layer(torch.randn(4, 100)).sum().backward()
+        tracker.relabel_gradients(layer)
+        with tracker.in_phase("optimizer"):
+            optimizer.step()
+        tracker.relabel_optimizer_state(optimizer)
+        assert tracker.host_breakdown() == {**dict.fromkeys(CATEGORIES, 0), "parameters": 20000,
+                                            "gradients": 20000, "optimizer_state": 20000}  # fmt: skip
+        assert tracker.live_bytes == 0

@@ -130,6 +130,7 @@ def test_micro_batches_of_one_on_a_face_preset_are_left_out_with_the_reason(back
         batch,
         with_budget(gpu("a100_80gb"), budget / 2**30),
         precisions=["32-true"],
+        cpu_offload=(False,),  # (offloaded, the model states would leave room)
     )
     refused = [(knobs.micro_batch_size, reason) for knobs, reason in result.rejected]
     assert refused and refused[0][0] == 1, result.table()

@@ -62,7 +62,7 @@ def test_a_roomy_budget_gets_the_fastest_configuration_without_checkpointing():
 
 @pytest.mark.parametrize("budget_mib", [8.0, 6.0, 5.5, 4.5])
 def test_a_tight_budget_gets_a_plan_whose_real_peak_fits_and_uses_most_of_it(budget_mib):
-    result = _plan(budget_mib)
+    result = _plan(budget_mib, cpu_offload=(False,))  # (an offloaded plan runs under fsdp_memopt: see tests/planner)
     assert result.chosen is not None, result.table()
     assert result.chosen.peak_bytes <= result.limit_bytes
     real = _real_peak(result.chosen.knobs, int(budget_mib * _MIB))  # would raise an OOM past the budget
@@ -72,7 +72,8 @@ def test_a_tight_budget_gets_a_plan_whose_real_peak_fits_and_uses_most_of_it(bud
 
 def test_checkpointing_estimates_are_close_to_their_profiles():
     result = _plan(5.0, verify=10)
-    confirmed = [c for c in result.candidates if c.estimated_bytes is not None]
+    # (sharded and offloaded ones hold no model states in their step's peak: the same bytes off are a larger share)
+    confirmed = [c for c in result.candidates if c.estimated_bytes is not None and not c.knobs.sharding.active]
     assert confirmed
     for candidate in confirmed:  # within 5% under (a plan that may not fit) and 15% over (a wasted budget)
         error = (candidate.estimated_bytes - candidate.peak_bytes) / candidate.peak_bytes
@@ -90,24 +91,38 @@ def test_micro_batching_is_left_out_when_the_loss_couples_the_batch():
     assert "micro-batching not considered" in result.table()
 
 
-def test_several_gpus_add_sharded_candidates():
+def test_several_gpus_add_sharded_and_offloaded_candidates_of_every_profiled_step():
     result = _plan(4.5, devices=4)
-    sharded = [c for c in result.candidates if c.knobs.shards == 4]
-    assert sharded and all(c.how == "sharded" for c in sharded)
-    unsharded = {c.knobs: c for c in result.candidates if c.how == "profiled"}
-    for candidate in sharded:
-        source = unsharded[Knobs(**{**candidate.knobs.as_dict(), "shards": 1})]
-        assert candidate.peak_bytes < source.peak_bytes
-        assert candidate.breakdown["parameters"] == source.breakdown["parameters"] // 4
+    layouts = {(c.knobs.shards, c.knobs.cpu_offload) for c in result.candidates}
+    assert layouts == {(shards, offload) for shards in (1, 2, 4) for offload in (False, True)}
+    unsharded = {c.knobs: c for c in result.candidates if c.how == "profiled" and not c.knobs.sharding.active}
+    for candidate in result.candidates:
+        if candidate.how == "sharded":  # predicted from the profiled unsharded step with the same knobs
+            source = unsharded[replace(candidate.knobs, shards=1, cpu_offload=False)]
+            assert candidate.peak_bytes < source.peak_bytes
+            states = ("optimizer_state", "gradients")
+            sharded = sum(candidate.estimate.phases["optimizer"][k] for k in states)
+            whole = sum(source.estimate.phases["optimizer"][k] for k in states)
+            assert sharded == 0 if candidate.knobs.cpu_offload else sharded < whole / candidate.knobs.shards * 1.1
+            assert (candidate.host_bytes > 0) == candidate.knobs.cpu_offload
+            assert candidate.cost.communication > 0 or candidate.knobs.shards == 1
 
 
 def test_a_budget_below_the_model_states_is_refused_with_the_breakdown_and_the_options():
     option = ResultChangingOption("patch_size 16 → 32", "leaves the pre-trained weights", ("x=1",))
     with pytest.raises(PlanError) as error:
-        _plan(2.0, options=[option])
+        _plan(2.0, options=[option], cpu_offload=(False,))
     message = str(error.value)
     for part in ("parameters", "gradients", "optimizer_state", "patch_size 16 → 32", "leaves the pre-trained"):
         assert part in message
+
+
+def test_offload_plans_below_the_model_states_and_is_refused_only_below_the_units_in_flight():
+    result = _plan(2.0)  # the model states (3.5 MiB) do not fit: the device keeps only the units in flight
+    assert result.chosen is not None and result.chosen.knobs.cpu_offload, result.table()
+    assert result.chosen.host_bytes > 3 * _MIB and "host" in result.table()
+    with pytest.raises(PlanError, match=r"CPU offload: +0\.\d\d MiB per GPU and 3\.\d\d MiB of host memory"):
+        _plan(0.05)
 
 
 def test_options_are_measured_against_the_chosen_knobs():
@@ -141,6 +156,9 @@ def test_catalogue_flags_bf16():
         ({"every_n": 0}, "`every_n`=0 must be a positive int"),
         ({"micro_batch_size": 0}, "`micro_batch_size`=0 must be a positive int or None"),
         ({"attn_impl": "flash"}, "Unknown `attn_impl`='flash'; valid choices: sdpa, math"),
+        ({"shards": 0}, "`shards`=0 must be a positive int"),
+        ({"shards": True}, "`shards`=True must be a positive int"),
+        ({"cpu_offload": "yes"}, "`cpu_offload`='yes' must be True or False"),
     ],
 )
 def test_bad_knobs_are_named(arguments, message):
@@ -153,6 +171,10 @@ def test_bad_plan_arguments_are_named():
         _plan(8.0, safety_margin=1.5)
     with pytest.raises(ValueError, match="`devices`=0 must be a positive int"):
         _plan(8.0, devices=0)
+    with pytest.raises(ValueError, match="`shards` entry 8 must be an int from 1 to `devices`=4"):
+        _plan(8.0, devices=4, shards=[1, 8])
+    with pytest.raises(ValueError, match=r"`cpu_offload`=\(\) must be a non-empty sequence of True / False"):
+        _plan(8.0, cpu_offload=())
     with pytest.raises(ValueError, match="`budget`=0 GiB must be positive"):
         with_budget(gpu("t4_16gb"), 0)
 
