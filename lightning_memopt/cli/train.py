@@ -91,9 +91,10 @@ def main(cfg: DictConfig) -> float | None:
         raise SystemExit(2) from None
     except InstantiationException as error:
         # Hydra wraps what a constructor raises. Constructors raise ValueError for a bad argument (its name, value
-        # and the valid choices; a pretrained file that does not match is one too) and FileNotFoundError for a
-        # missing file: input errors, whose own message is the whole story.
-        if not isinstance(error.__cause__, (ValueError, FileNotFoundError)):
+        # and the valid choices; a pretrained file that does not match is one too; callbacks and strategies a
+        # MisconfigurationException) and FileNotFoundError for a missing file: input errors, whose own message is
+        # the whole story.
+        if not isinstance(error.__cause__, (ValueError, FileNotFoundError, MisconfigurationException)):
             raise
         print(f"memopt-train: {error.__cause__}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -146,3 +146,11 @@ def test_memopt_auto_that_fits_nothing_exits_with_its_reason_and_no_traceback(tm
     assert "memopt-train: MemoryBudget: the budget" in result.stderr
     assert "is smaller than the model states alone" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_bad_strategy_option_exits_with_its_reason_and_no_traceback(tmp_path):
+    args = [*TINY_FACE, "strategy=fsdp_memopt", "trainer.strategy.param_dtype=fp8"]
+    result = run_memopt_train(args, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert "memopt-train: MemoptFSDPStrategy: unknown `param_dtype`='fp8'; valid choices: auto" in result.stderr
+    assert "Traceback" not in result.stderr and "Error executing job" not in result.stderr
