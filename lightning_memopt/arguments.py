@@ -28,6 +28,14 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+
+class InputError(ValueError):
+    """A bad input found past the arguments, in the data itself: a malformed file, a clip out of its frame.
+
+    The apps end it, wherever it is raised (in a DataLoader worker too), with its one-line message.
+    """
+
+
 TRUE_WORDS = ("true", "yes", "on", "1")
 FALSE_WORDS = ("false", "no", "off", "0")
 
@@ -140,6 +148,53 @@ def check_float(
     number = float(value)
     below = minimum is not None and (number <= minimum if open_minimum else number < minimum)
     if not math.isfinite(number) or below or (maximum is not None and number > maximum):
+        raise ValueError(f"`{name}` must be {wanted}, got {value!r}")
+    return number
+
+
+def check_optional_float(
+    name: str,
+    value: Any,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    open_minimum: bool = False,
+) -> float | None:
+    """Like :func:`check_float`, with ``None`` kept as ``None``.
+
+    Example::
+
+        >>> check_optional_float("budget", None) is None, check_optional_float("budget", 8, minimum=0)
+        (True, 8.0)
+    """
+    if value is None:
+        return None
+    return check_float(name, value, minimum=minimum, maximum=maximum, open_minimum=open_minimum)
+
+
+def check_fraction(name: str, value: Any, *, open_minimum: bool = False, open_maximum: bool = False) -> float:
+    """``value`` as a float between 0 and 1; ``open_minimum`` / ``open_maximum`` leave that end out.
+
+    Raises:
+        TypeError: not a real number (a bool, a string).
+        ValueError: not finite, or outside the interval.
+
+    Example::
+
+        >>> check_fraction("safety_margin", 0.1, open_maximum=True)
+        0.1
+        >>> check_fraction("safety_margin", 1, open_maximum=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: `safety_margin` must be a number ≥ 0 and < 1, got 1
+    """
+    wanted = f"a number {'>' if open_minimum else '≥'} 0 and {'<' if open_maximum else '≤'} 1"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be {wanted}, got {_shown(value)}")
+    number = float(value)
+    below = number <= 0 if open_minimum else number < 0
+    above = number >= 1 if open_maximum else number > 1
+    if not math.isfinite(number) or below or above:
         raise ValueError(f"`{name}` must be {wanted}, got {value!r}")
     return number
 

@@ -24,14 +24,19 @@ def normalise_specs(specs: ModuleSpec | Iterable[ModuleSpec], argument: str = "m
     """Resolve dotted class paths to classes and check every entry; ``argument`` names it in errors.
 
     Raises:
-        ValueError: an empty list, or an entry that is neither a module class, an importable dotted
-            class path nor a name glob.
+        ValueError: an empty list, a value that is no list of specs (``True``, ``3``), or an entry that
+            is neither a module class, an importable dotted class path nor a name glob.
 
     Example::
 
         >>> normalise_specs(["torch.nn.Linear", "head.*"])
         (<class 'torch.nn.modules.linear.Linear'>, 'head.*')
     """
+    if not isinstance(specs, str | type | Iterable):
+        raise ValueError(
+            f"`{argument}` must be module classes, dotted class paths or name globs, got {specs!r} "
+            f"({type(specs).__name__})"
+        )
     items = [specs] if isinstance(specs, str | type) else list(specs)
     if not items:
         raise ValueError(f"`{argument}` is empty; give module classes, dotted class paths or name globs")

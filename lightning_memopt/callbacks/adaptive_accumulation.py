@@ -32,6 +32,7 @@ from lightning_memopt.accumulation import (
 from lightning_memopt.accumulation.micro_batch import Shrink, check_loss_reduction, with_loss
 from lightning_memopt.accumulation.schedule import AccumulationSchedule
 from lightning_memopt.accumulation.sizing import MicroBatchSizer
+from lightning_memopt.arguments import check_bool, check_optional_int
 from lightning_memopt.memory.allocator import allocator_retries
 from lightning_memopt.memory.oom import is_oom_error
 from lightning_memopt.memory.profile import PRECISIONS, profile_step
@@ -119,19 +120,23 @@ class AdaptiveAccumulation(Callback):
         accumulate_schedule: dict[int, int] | None = None,
         evaluation: bool = True,
     ) -> None:
-        if shrink != "halve" and not callable(shrink):
-            raise MisconfigurationException(
-                f"AdaptiveAccumulation: `shrink`={shrink!r} must be 'halve' or a function size -> smaller size"
-            )
-        self.shrink: Shrink = halve if shrink == "halve" else shrink  # type: ignore[assignment]
         try:
+            if not callable(shrink) and shrink != "halve":
+                raise ValueError(
+                    f"`shrink` must be 'halve' or a function size -> smaller size, got {shrink!r} "
+                    f"({type(shrink).__name__})"
+                )
+            micro_batch_size = check_optional_int("micro_batch_size", micro_batch_size, minimum=1)
+            grow_after = check_optional_int("grow_after", grow_after, minimum=1)
+            thrash_steps = check_optional_int("thrash_steps", thrash_steps, minimum=1)
             check_loss_reduction(loss_reduction)
+            self.evaluation = check_bool("evaluation", evaluation)
+            self.shrink: Shrink = halve if shrink == "halve" else shrink  # type: ignore[assignment]
             self.sizer = MicroBatchSizer(micro_batch_size, self.shrink, grow_after, thrash_steps)
             self.schedule = AccumulationSchedule(accumulate_schedule) if accumulate_schedule is not None else None
-        except ValueError as error:
+        except (TypeError, ValueError) as error:
             raise MisconfigurationException(f"AdaptiveAccumulation: {error}") from None
         self.loss_reduction = loss_reduction
-        self.evaluation = evaluation
         self.eval_micro_batch_size: int | None = None
         self.last_micro_batch_size: int | None = None  # the size the latest training batch ended with
         self.last_micro_batches = 0  # how many micro-batches it took on this rank

@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_memopt.arguments import check_int, check_optional_float
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
 from lightning_memopt.callbacks.precision_switch import PrecisionSwitch
@@ -19,6 +20,7 @@ from lightning_memopt.checkpointing import check_blocks
 from lightning_memopt.models.structure import attention_kernels, set_attention
 from lightning_memopt.planner import Hardware, Knobs, Plan, PlanError, cuda_hardware, measure_cpu, plan, with_budget
 from lightning_memopt.planner import gpu as catalogue_gpu
+from lightning_memopt.planner.search import check_safety_margin
 from lightning_memopt.strategies import MemoptFSDPStrategy
 
 _GIB = 2**30
@@ -85,20 +87,16 @@ class MemoryBudget(Callback):
     ) -> None:
         try:
             check_blocks(blocks)  # whether they match the model is checked in setup
-            self.knobs: Knobs | None = Knobs(**knobs) if knobs is not None else None
+            self.knobs: Knobs | None = Knobs.from_mapping(knobs) if knobs is not None else None
             self.hardware_name = gpu
             if gpu is not None:
                 catalogue_gpu(gpu)
-            if budget is not None and not budget > 0:
-                raise ValueError(f"`budget`={budget!r} GiB must be positive")
-            if not 0 <= safety_margin < 1:
-                raise ValueError(f"`safety_margin`={safety_margin!r} must be in [0, 1)")
+            self.budget = check_optional_float("budget", budget, minimum=0, open_minimum=True)
+            self.safety_margin = check_safety_margin(safety_margin)
+            self.verify = check_int("verify", verify, minimum=0)
         except (TypeError, ValueError) as error:
             raise MisconfigurationException(f"MemoryBudget: {error}") from None
-        self.budget = budget
-        self.safety_margin = safety_margin
         self.sample_batch = sample_batch
-        self.verify = verify
         self.blocks = blocks
         self.plan: Plan | None = None
         self.applied: list[Callback] = []

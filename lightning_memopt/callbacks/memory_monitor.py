@@ -12,6 +12,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_memopt.arguments import check_bool, check_int, check_optional_int, check_path
 from lightning_memopt.memory.oom import is_oom_error
 from lightning_memopt.memory.report import format_report, write_timeline_chart
 from lightning_memopt.memory.tracker import MemoryTracker
@@ -42,7 +43,8 @@ class MemoryMonitor(Callback):
             needs ``prometheus_client`` (extra ``prometheus``).
 
     Raises:
-        MisconfigurationException: for ``every_n_steps`` < 1 or a port outside 1–65535, or a
+        MisconfigurationException: for ``every_n_steps`` < 1, a port outside 1–65535, a value of the
+            wrong type (``every_n_steps="abc"``, ``record_cuda_history="maybe"``), or a
             ``prometheus_port`` without ``prometheus_client`` installed.
 
     Example::
@@ -58,21 +60,21 @@ class MemoryMonitor(Callback):
         record_cuda_history: bool = True,
         prometheus_port: int | None = None,
     ) -> None:
-        if every_n_steps < 1:
-            raise MisconfigurationException(f"`every_n_steps`={every_n_steps!r} must be at least 1")
-        if prometheus_port is not None:
-            if not 0 < prometheus_port < 65536:
-                raise MisconfigurationException(f"`prometheus_port`={prometheus_port!r} must be in 1–65535")
+        try:
+            self.every_n_steps = check_int("every_n_steps", every_n_steps, minimum=1)
+            self.report_dir = Path(check_path("report_dir", report_dir)) if report_dir is not None else None
+            self.record_cuda_history = check_bool("record_cuda_history", record_cuda_history)
+            self.prometheus_port = check_optional_int("prometheus_port", prometheus_port, minimum=1, maximum=65535)
+        except (TypeError, ValueError) as error:
+            raise MisconfigurationException(f"MemoryMonitor: {error}") from None
+        if self.prometheus_port is not None:
             try:
                 import prometheus_client  # noqa: F401
             except ImportError:
                 raise MisconfigurationException(
-                    "`prometheus_port` needs prometheus_client: pip install 'lightning-memopt[prometheus]'"
+                    "MemoryMonitor: `prometheus_port` needs prometheus_client: "
+                    "pip install 'lightning-memopt[prometheus]'"
                 ) from None
-        self.every_n_steps = every_n_steps
-        self.report_dir = Path(report_dir) if report_dir is not None else None
-        self.record_cuda_history = record_cuda_history
-        self.prometheus_port = prometheus_port
         self.tracker: MemoryTracker | None = None
         self._gauges: dict[str, Any] = {}
         self._sampled_step = -1

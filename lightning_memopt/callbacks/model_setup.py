@@ -24,7 +24,14 @@ def after_configure_model(pl_module: LightningModule, action: Callable[[], None]
         >>> after_configure_model(module, lambda: seen.append(hasattr(module, "layer")))
         >>> module.configure_model(); seen
         [True]
+
+    Raises:
+        TypeError: ``pl_module`` is no LightningModule, or ``action`` is not callable.
     """
+    if not isinstance(pl_module, LightningModule):
+        raise TypeError(f"`pl_module` must be a LightningModule, got {type(pl_module).__name__}")
+    if not callable(action):
+        raise TypeError(f"`action` must be a function of no arguments, got {action!r} ({type(action).__name__})")
     if not is_overridden("configure_model", pl_module):
         action()
         return

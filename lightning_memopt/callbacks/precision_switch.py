@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_memopt.arguments import check_float, check_int, check_optional_bool
 from lightning_memopt.callbacks.model_setup import after_configure_model
 from lightning_memopt.precision import (
     PrecisionSchedule,
@@ -52,6 +53,8 @@ class PrecisionSwitch(Callback):
         fail_safe: skip optimizer steps with a non-finite loss or gradient and step down
             16-mixed → bf16-mixed → 32-true after ``patience`` in a row, or when the fp16 loss scale
             falls below ``min_loss_scale``. ``None``: on for ``precision="auto"``, off otherwise.
+            The words ``"on"`` / ``"off"`` (``"true"``, ``"yes"``, ``"1"`` / ``"false"``, ``"no"``,
+            ``"0"``) are read as such; anything else is refused.
         patience: consecutive non-finite steps before stepping down.
         min_loss_scale: the fp16 loss scale below which the run steps down.
         fp32_modules: submodules to run as fp32 islands (classes, dotted paths, name globs), or
@@ -84,17 +87,14 @@ class PrecisionSwitch(Callback):
             self.precision = "auto" if precision == "auto" else normalise_precision(precision)
             check_interval(schedule_interval)
             self.schedule = PrecisionSchedule(schedule, schedule_interval) if schedule is not None else None
+            checked_fail_safe = check_optional_bool("fail_safe", fail_safe)  # "off" is false, never truthiness
+            self.patience = check_int("patience", patience, minimum=1)
+            self.min_loss_scale = check_float("min_loss_scale", min_loss_scale, minimum=0, open_minimum=True)
             if fp32_modules is not None and fp32_modules != "preset":
                 fp32_modules = normalise_specs(fp32_modules, "fp32_modules")
-        except ValueError as error:
+        except (TypeError, ValueError) as error:
             raise MisconfigurationException(f"PrecisionSwitch: {error}") from None
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise MisconfigurationException(f"PrecisionSwitch: `patience`={patience!r} must be an int ≥ 1")
-        if not min_loss_scale > 0:
-            raise MisconfigurationException(f"PrecisionSwitch: `min_loss_scale`={min_loss_scale!r} must be > 0")
-        self.fail_safe = (self.precision == "auto") if fail_safe is None else bool(fail_safe)
-        self.patience = patience
-        self.min_loss_scale = float(min_loss_scale)
+        self.fail_safe = (self.precision == "auto") if checked_fail_safe is None else checked_fail_safe
         self.fp32_modules = fp32_modules
         self.plugin: SwitchablePrecision | None = None
         self.base_precision: str | None = None  # ``precision`` resolved for the device

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import resource
 import sys
 import time
@@ -16,6 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_memopt.memory.tracker import MemoryTracker
+from lightning_memopt.results_file import append_row
 
 
 @dataclass
@@ -105,7 +105,8 @@ class TrainingSummary(Callback):
         memory_batch: off CUDA, the training batch (0-based) whose memory is counted; the default 1
             is the first that starts with the optimizer state.
         csv_path: append the figures to this CSV file at fit end (rank 0), one row per fit; a sweep's
-            jobs all write to one file.
+            jobs all write to one file, each row appended under a file lock
+            (:func:`~lightning_memopt.results_file.append_row`), so concurrent jobs lose no row.
         label: the ``label`` column of that row (``memopt-train`` writes the job's overrides).
 
     Raises:
@@ -223,24 +224,3 @@ class TrainingSummary(Callback):
     def as_dict(self) -> dict[str, Any]:
         """The measured figures as a plain dict (``samples_per_second`` included)."""
         return {**asdict(self.summary), "samples_per_second": self.summary.samples_per_second}
-
-
-def append_row(path: Path, row: dict[str, Any]) -> None:
-    """Append ``row`` to the CSV at ``path``, writing the header first if the file is new.
-
-    Raises:
-        ValueError: the file's header has other columns than ``row``.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() and path.stat().st_size:
-        with path.open(newline="") as handle:
-            header = next(csv.reader(handle))
-        if header != list(row):
-            raise ValueError(f"`csv_path`={str(path)!r} has the columns {header}, not {list(row)}")
-        with path.open("a", newline="") as handle:
-            csv.DictWriter(handle, fieldnames=header).writerow(row)
-        return
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(row))
-        writer.writeheader()
-        writer.writerow(row)

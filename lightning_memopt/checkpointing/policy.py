@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_memopt.arguments import check_int
 from lightning_memopt.models.structure import model_structure
 from lightning_memopt.selection import ModuleSpec, normalise_specs, select_modules, spec_name
 
@@ -63,12 +64,15 @@ class Policy:
         every_n: int | str | None = None,
         mode: str = "full",
     ) -> None:
-        if mode not in MODES:
+        if not isinstance(mode, str) or mode not in MODES:
             raise ValueError(f"Unknown `mode`={mode!r}; valid choices: {', '.join(MODES)}")
-        if every_n is not None and every_n != "sqrt" and (isinstance(every_n, bool) or not isinstance(every_n, int)):
-            raise ValueError(f"`every_n`={every_n!r} must be a positive int, 'sqrt' or None")
-        if isinstance(every_n, int) and every_n < 1:
-            raise ValueError(f"`every_n`={every_n!r} must be at least 1")
+        if every_n is not None and every_n != "sqrt":
+            try:
+                every_n = check_int("every_n", every_n, minimum=1)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"`every_n` must be an integer ≥ 1, 'sqrt' or None, got {every_n!r} ({type(every_n).__name__})"
+                ) from None
         object.__setattr__(self, "modules", _normalise_modules(modules))
         object.__setattr__(self, "every_n", every_n)
         object.__setattr__(self, "mode", mode)

@@ -77,6 +77,8 @@ class CheckpointedForward:
 
 def checkpoint_modules(model: nn.Module, policy: Any) -> CheckpointReport:
     """Checkpoint the modules of ``model`` that ``policy`` selects; see :func:`apply_activation_checkpointing`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` must be an nn.Module, got {model!r} ({type(model).__name__})")
     policies = parse_policy(policy)
     already = _checkpointed(model)
     claimed: dict[str, tuple[nn.Module, str]] = {}
@@ -125,6 +127,7 @@ def apply_activation_checkpointing(model: nn.Module, policy: Any = "auto") -> in
     Raises:
         ValueError: a policy that matches no module (listing the classes and top-level children
             present), or a malformed policy.
+        TypeError: ``model`` is no ``nn.Module``, or ``policy`` of no kind listed above.
 
     Example::
 

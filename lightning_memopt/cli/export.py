@@ -15,7 +15,6 @@ of our presets (``--model`` names it). The output is a bare official state dict 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_memopt.cli.errors import input_errors
 from lightning_memopt.models.official import OfficialCheckpointError, official_layout
 from lightning_memopt.models.official.layout import convert_to_official
 from lightning_memopt.models.registry import create_model
 from lightning_memopt.selection import WRAPPER_NAMES
-from lightning_memopt.strategies.consolidate import consolidate_checkpoint, is_sharded_checkpoint
+from lightning_memopt.strategies.consolidate import check_checkpoint, consolidate_checkpoint, is_sharded_checkpoint
 
 
 def _unwrapped(name: str) -> str:
@@ -97,20 +97,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("output", type=Path, help="where to write the official state dict")
     parser.add_argument("--model", help="the preset (default: the checkpoint's `backbone`)")
     args = parser.parse_args(argv)
-    try:
+    with input_errors("memopt-export", building=True):
+        check_checkpoint("checkpoint", args.checkpoint)
         if is_sharded_checkpoint(args.checkpoint):  # fsdp_memopt's folder of shards
             checkpoint = consolidate_checkpoint(args.checkpoint)
-        elif not args.checkpoint.is_file():
-            raise FileNotFoundError(
-                f"{str(args.checkpoint)!r} is neither a checkpoint file nor a sharded checkpoint folder"
-            )
         else:
             # A training checkpoint of your own: Lightning stores callback states and hyper-parameters beside tensors.
             checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
         official, family = export_official(checkpoint, args.model)
-    except (OfficialCheckpointError, FileNotFoundError, ValueError) as error:
-        print(f"memopt-export: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
     args.output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(official, args.output)
     print(f"memopt-export: wrote {args.output}: {len(official)} tensors in the official {family} layout")

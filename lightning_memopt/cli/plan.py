@@ -12,15 +12,15 @@ Examples (shell)::
 
 from __future__ import annotations
 
-import sys
-
 import hydra
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lightning_memopt.arguments import check_bool, check_float, check_int
 from lightning_memopt.cli.config import config_dir
-from lightning_memopt.planner import Plan, PlanError, gpu, plan, with_budget
+from lightning_memopt.cli.errors import fail, input_errors, run_hydra_app, task_started
+from lightning_memopt.planner import Plan, gpu, plan, with_budget
 from lightning_memopt.planner.config import (
     FAMILY_DATA,
     family,
@@ -39,16 +39,18 @@ def plan_config(cfg: DictConfig, overrides: list[str]) -> tuple[Plan, list[str]]
     if data_default is not None and not chose_data and data_choice != data_default:
         overrides = [*overrides, f"data={data_default}"]  # `model=sapiens_2b` alone trains on normals, not faces
         cfg = compose("plan", overrides=overrides)
-    hardware = gpu(cfg.gpu) if cfg.budget is None else with_budget(gpu(cfg.gpu), float(cfg.budget))
+    hardware = gpu(cfg.gpu)
+    if cfg.budget is not None:
+        hardware = with_budget(hardware, check_float("budget", cfg.budget, minimum=0.0, open_minimum=True))
     result = plan(
         lambda: instantiate_model(cfg.model),
         first_batch(cfg),
         hardware,
-        safety_margin=float(cfg.safety_margin),
-        devices=int(cfg.devices),
-        options=result_changing_options(cfg) if cfg.plan.options else (),
+        safety_margin=cfg.safety_margin,
+        devices=cfg.devices,
+        options=result_changing_options(cfg) if check_bool("plan.options", cfg.plan.options) else (),
         progress=True,
-        verify=int(cfg.plan.verify),
+        verify=check_int("plan.verify", cfg.plan.verify, minimum=0),
         blocks=_blocks(cfg.plan.blocks),
     )
     return result, overrides
@@ -59,21 +61,25 @@ def _blocks(blocks: object) -> object:
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="plan")
-def main(cfg: DictConfig) -> float | None:
-    """Hydra entry point: prints the candidates, the choice and its ``memopt-train`` command; returns its peak (GiB)."""
-    overrides = list(HydraConfig.get().overrides.task)
-    try:
-        result, overrides = plan_config(cfg, overrides)
-    except (PlanError, ValueError, TypeError) as error:  # a config that cannot be planned: its reason, no traceback
-        print(f"memopt-plan: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+def _plan_app(cfg: DictConfig) -> float:
+    """Hydra task: prints the candidates, the choice and its ``memopt-train`` command; returns its peak (GiB)."""
+    task_started()
+    with input_errors("memopt-plan", building=True):
+        result, overrides = plan_config(cfg, list(HydraConfig.get().overrides.task))
     print(result.table(), flush=True)
-    if result.chosen is not None:
-        print(f"run it with:\n  {train_command(overrides, result.chosen.knobs)}", flush=True)
     if cfg.plan.png:
         result.write_chart(cfg.plan.png)
         print(f"wrote {cfg.plan.png}", flush=True)
-    return None if result.chosen is None else result.chosen.peak_bytes / 2**30
+    if result.chosen is None:
+        fail("memopt-plan", "no configuration fits (see the table above): allow more devices, or lower the batch size")
+    print(f"run it with:\n  {train_command(overrides, result.chosen.knobs)}", flush=True)
+    return result.chosen.peak_bytes / 2**30
+
+
+def main() -> None:
+    """``memopt-plan``: exit status 0 with a plan, 2 when nothing fits or for a bad input (one line, no traceback),
+    1 for an unexpected error (see :mod:`lightning_memopt.cli.errors`)."""
+    run_hydra_app("memopt-plan", _plan_app)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from lightning_memopt.cli.config import config_dir
+from lightning_memopt.cli.errors import input_errors, run_hydra_app, task_started
 from lightning_memopt.memory.profile import MemoryProfile, profile_step
 from lightning_memopt.planner.config import instantiate_model
 
@@ -60,14 +61,21 @@ def write_breakdown_chart(result: MemoryProfile, path: Path) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="profile")
-def main(cfg: DictConfig) -> float:
-    """Hydra entry point; prints the profile table and returns the peak in GiB."""
-    result = profile(cfg)
+def _profile_app(cfg: DictConfig) -> float:
+    """Hydra task: prints the profile table and returns the peak in GiB."""
+    task_started()
+    with input_errors("memopt-profile", building=True):
+        result = profile(cfg)
     print(f"memopt-profile: model={cfg.model.backbone} batch={cfg.data.batch_size}\n{result.table()}", flush=True)
     if cfg.profile.png:
         write_breakdown_chart(result, Path(cfg.profile.png))
         print(f"wrote {cfg.profile.png}", flush=True)
     return result.peak_gib
+
+
+def main() -> None:
+    """``memopt-profile``: exit status 0, 2 for a bad input (one line, no traceback), 1 for an unexpected error."""
+    run_hydra_app("memopt-profile", _profile_app)
 
 
 if __name__ == "__main__":

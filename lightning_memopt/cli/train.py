@@ -9,22 +9,26 @@ Examples (shell)::
 
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import dataclass
 
 import hydra
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
-from lightning_memopt.accumulation import SampleOutOfMemoryError
+from lightning_memopt.arguments import check_bool, check_float, check_int, check_path
+from lightning_memopt.callbacks.last_checkpoint import LastCheckpoint
 from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
 from lightning_memopt.cli.config import config_dir, instantiate_named
+from lightning_memopt.cli.errors import EXIT_INTERRUPTED, input_errors, run_hydra_app, task_started
 from lightning_memopt.memory.allocator import configure_allocator
+from lightning_memopt.strategies.consolidate import check_checkpoint
 
 
 def check_launch_fits_hydra_mode(trainer: pl.Trainer) -> None:
@@ -52,52 +56,149 @@ def check_launch_fits_hydra_mode(trainer: pl.Trainer) -> None:
         )
 
 
-def train(cfg: DictConfig) -> FitSummary:
-    """Build data, model, callbacks, loggers and Trainer from ``cfg`` and fit.
+# Trainer options Lightning takes without checking their type: (kind, minimum) for each
+_TRAINER_INTS = {
+    "max_epochs": -1,
+    "max_steps": -1,
+    "min_epochs": 0,
+    "min_steps": 0,
+    "log_every_n_steps": 1,
+    "accumulate_grad_batches": 1,
+    "num_sanity_val_steps": -1,
+    "check_val_every_n_epoch": 1,
+    "num_nodes": 1,
+}
+_TRAINER_BOOLS = (
+    "enable_checkpointing",
+    "enable_progress_bar",
+    "enable_model_summary",
+    "benchmark",
+    "inference_mode",
+    "use_distributed_sampler",
+    "sync_batchnorm",
+    "detect_anomaly",
+    "barebones",
+)
+_TRAINER_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches")
 
-    Returns:
-        The run's :class:`FitSummary` (also printed).
+
+def check_trainer_options(trainer: DictConfig) -> None:
+    """Check the ``trainer.*`` values Lightning takes without checking their kind, and write them back typed.
+
+    Lightning would read ``trainer.detect_anomaly=no`` as true (a non-empty string) and fail later,
+    obscurely, on ``trainer.max_steps=abc``.
+
+    Raises:
+        TypeError, ValueError: naming ``trainer.<key>`` and the value.
     """
+    checked: dict[str, object] = {}
+    for key, minimum in _TRAINER_INTS.items():
+        if trainer.get(key) is not None:
+            checked[key] = check_int(f"trainer.{key}", trainer[key], minimum=minimum)
+    for key in _TRAINER_BOOLS:
+        if trainer.get(key) is not None:
+            checked[key] = check_bool(f"trainer.{key}", trainer[key])
+    for key in _TRAINER_LIMITS:
+        value = trainer.get(key)
+        if isinstance(value, float) and value <= 1.0:  # a fraction of the batches
+            checked[key] = check_float(f"trainer.{key}", value, minimum=0.0)
+        elif value is not None:  # a count (10.0 from YAML too)
+            checked[key] = check_int(f"trainer.{key}", value, minimum=0)
+    if trainer.get("gradient_clip_val") is not None:
+        checked["gradient_clip_val"] = check_float("trainer.gradient_clip_val", trainer.gradient_clip_val, minimum=0.0)
+    devices = trainer.get("devices")
+    if isinstance(devices, str) and devices != "auto" and not devices.replace(",", "").replace("-", "").isdigit():
+        raise ValueError(
+            f"`trainer.devices` must be 'auto', a count (-1: all), a list of device indices or a string such as"
+            f" '0,1', got {devices!r}"
+        )
+    with open_dict(trainer):
+        trainer.update(checked)
+
+
+# `ckpt_path` values Lightning resolves itself: the last or best checkpoint of the run, SLURM's
+_LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")
+
+
+def resolve_checkpoint_path(path: object) -> object:
+    """``ckpt_path`` checked when it is a local path (``last``, ``best``, URLs go to Lightning as they are)."""
+    if isinstance(path, str) and (path in _LIGHTNING_CHECKPOINT_NAMES or "://" in path):
+        return path
+    return check_checkpoint("ckpt_path", path)
+
+
+@dataclass
+class Run:
+    """What :func:`build_run` makes of a config: everything ``Trainer.fit`` takes."""
+
+    trainer: pl.Trainer
+    model: pl.LightningModule
+    datamodule: pl.LightningDataModule
+    ckpt_path: object
+    summary: TrainingSummary
+
+
+def build_run(cfg: DictConfig) -> Run:
+    """Check ``cfg``'s top-level keys and build data, model, callbacks, loggers and Trainer from it."""
+    ckpt_path = None if cfg.get("ckpt_path") is None else resolve_checkpoint_path(cfg.ckpt_path)
+    check_trainer_options(cfg.trainer)
     configure_allocator(**cfg.memopt.get("allocator", {}))
     if cfg.get("seed") is not None:
-        pl.seed_everything(cfg.seed, workers=True)
+        pl.seed_everything(check_int("seed", cfg.seed), workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
     overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-    summary = TrainingSummary(csv_path=cfg.get("results_csv"), label=" ".join(overrides))
+    results_csv = cfg.get("results_csv")
+    if results_csv is not None and os.path.isdir(check_path("results_csv", results_csv)):
+        raise IsADirectoryError(f"`results_csv`: {results_csv!r} is a folder; give the path of a CSV file")
+    summary = TrainingSummary(csv_path=results_csv, label=" ".join(overrides))
     callbacks = instantiate_named(cfg.get("callbacks"), "callbacks")
     callbacks += instantiate_named(cfg.memopt.get("callbacks"), "memopt.callbacks")
     loggers = instantiate_named(cfg.get("logger"), "logger")
     trainer = instantiate(cfg.trainer, callbacks=[*callbacks, summary], logger=loggers or False)
     check_launch_fits_hydra_mode(trainer)
-    rank_zero_info(f"memopt-train: model={type(model).__name__} data={type(datamodule).__name__}")
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-    return summary.summary
+    return Run(trainer, model, datamodule, ckpt_path, summary)
+
+
+def fit(run: Run) -> FitSummary:
+    """Fit a built run.
+
+    Returns:
+        The run's :class:`FitSummary` (also printed).
+
+    Raises:
+        KeyboardInterrupt: the fit was stopped with Ctrl-C (after ``last.ckpt`` was saved).
+    """
+    rank_zero_info(f"memopt-train: model={type(run.model).__name__} data={type(run.datamodule).__name__}")
+    run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=run.ckpt_path)
+    if any(isinstance(callback, LastCheckpoint) and callback.interrupted for callback in run.trainer.callbacks):
+        raise KeyboardInterrupt
+    return run.summary.summary
+
+
+def train(cfg: DictConfig) -> FitSummary:
+    """Build the run of ``cfg`` and fit it; see :func:`build_run` and :func:`fit`."""
+    return fit(build_run(cfg))
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
-def main(cfg: DictConfig) -> float | None:
-    """Hydra entry point; returns the final training loss (the value Hydra sweepers optimise).
+def _train_app(cfg: DictConfig) -> float | None:
+    """Hydra task: fit ``cfg``; returns the final training loss (the value Hydra sweepers optimise)."""
+    task_started()
+    with input_errors("memopt-train", building=True):
+        run = build_run(cfg)
+    with input_errors("memopt-train"):
+        try:
+            return fit(run).final_loss
+        except KeyboardInterrupt:
+            print("memopt-train: stopped by Ctrl-C", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_INTERRUPTED) from None
 
-    A configuration that cannot run (a MisconfigurationException: a bad argument, a plan that fits
-    nothing), a constructor's ValueError (a bad option, a pretrained file that does not match the model),
-    a missing file, or a step that does not fit even in the smallest micro-batch ends the job with its
-    reason on stderr and exit status 2, without a traceback.
-    """
-    try:
-        return train(cfg).final_loss
-    except (MisconfigurationException, SampleOutOfMemoryError) as error:
-        print(f"memopt-train: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-    except InstantiationException as error:
-        # Hydra wraps what a constructor raises. Constructors raise ValueError for a bad argument (its name, value
-        # and the valid choices; a pretrained file that does not match is one too; callbacks and strategies a
-        # MisconfigurationException) and FileNotFoundError for a missing file: input errors, whose own message is
-        # the whole story.
-        if not isinstance(error.__cause__, (ValueError, FileNotFoundError, MisconfigurationException)):
-            raise
-        print(f"memopt-train: {error.__cause__}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+
+def main() -> None:
+    """``memopt-train``: exit status 0 when done, 2 for a bad input (one line, no traceback; ``--debug`` shows
+    it), 130 when stopped with Ctrl-C, 1 for an unexpected error (see :mod:`lightning_memopt.cli.errors`)."""
+    run_hydra_app("memopt-train", _train_app)
 
 
 if __name__ == "__main__":

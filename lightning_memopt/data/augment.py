@@ -9,13 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_memopt.arguments import check_float, check_fraction
+
 # ITU-R BT.601 luma weights, the usual choice for "grayscale" in saturation/contrast jitter.
 _LUMA = (0.299, 0.587, 0.114)
 
 
-def _uniform(low: float, high: float) -> float:
-    """Draw one float uniformly from ``[low, high]`` with torch's global RNG."""
-    return low + (high - low) * float(torch.rand(()))
+def _uniform(low: float, high: float, generator: torch.Generator | None) -> float:
+    """Draw one float uniformly from ``[low, high]`` with ``generator`` (``None``: torch's global RNG)."""
+    return low + (high - low) * float(torch.rand((), generator=generator))
 
 
 def _rotate(image: Tensor, degrees: float) -> Tensor:
@@ -40,23 +42,24 @@ def _grayscale(image01: Tensor) -> Tensor:
     return (image01 * weights).sum(dim=0, keepdim=True)
 
 
-def _color_jitter(image: Tensor, strength: float) -> Tensor:
+def _color_jitter(image: Tensor, strength: float, generator: torch.Generator | None) -> Tensor:
     """Scale brightness, contrast and saturation of a [-1, 1] image by factors in [1-s, 1+s]."""
     low, high = 1.0 - strength, 1.0 + strength
     image01 = (image + 1.0) * 0.5
-    image01 = image01 * _uniform(low, high)
+    image01 = image01 * _uniform(low, high, generator)
     mean = _grayscale(image01).mean()
-    image01 = mean + (image01 - mean) * _uniform(low, high)
+    image01 = mean + (image01 - mean) * _uniform(low, high, generator)
     gray = _grayscale(image01)
-    image01 = gray + (image01 - gray) * _uniform(low, high)
+    image01 = gray + (image01 - gray) * _uniform(low, high, generator)
     return (image01 * 2.0 - 1.0).clamp_(-1.0, 1.0)
 
 
 class FaceAugmentation:
     """Random flip, rotation and colour jitter of one face image (CHW float in [-1, 1]).
 
-    Every transform is off when its argument is 0. Randomness comes from torch's global RNG, so
-    ``seed_everything(workers=True)`` makes a run reproducible, DataLoader workers included.
+    Every transform is off when its argument is 0. Randomness comes from the ``generator`` of each call
+    (the face datamodules seed one per sample from the run's seed, the epoch and the index, so a run and
+    its resumption augment alike, workers or not), else from torch's global RNG.
 
     Args:
         hflip: probability of a horizontal flip, in [0, 1].
@@ -66,7 +69,8 @@ class FaceAugmentation:
             from [1 - j, 1 + j], in [0, 1); the result is clamped to [-1, 1].
 
     Raises:
-        ValueError: an argument is outside its range.
+        ValueError: an argument is outside its range (or not finite).
+        TypeError: an argument is not a number.
 
     Example::
 
@@ -79,15 +83,9 @@ class FaceAugmentation:
     """
 
     def __init__(self, hflip: float = 0.5, rotation_degrees: float = 0.0, color_jitter: float = 0.0) -> None:
-        if not 0.0 <= hflip <= 1.0:
-            raise ValueError(f"`hflip` must be a probability in [0, 1], got {hflip!r}")
-        if not 0.0 <= rotation_degrees <= 180.0:
-            raise ValueError(f"`rotation_degrees` must be in [0, 180], got {rotation_degrees!r}")
-        if not 0.0 <= color_jitter < 1.0:
-            raise ValueError(f"`color_jitter` must be in [0, 1), got {color_jitter!r}")
-        self.hflip = float(hflip)
-        self.rotation_degrees = float(rotation_degrees)
-        self.color_jitter = float(color_jitter)
+        self.hflip = check_float("hflip", hflip, minimum=0, maximum=1)
+        self.rotation_degrees = check_float("rotation_degrees", rotation_degrees, minimum=0, maximum=180)
+        self.color_jitter = check_fraction("color_jitter", color_jitter, open_maximum=True)
 
     @property
     def is_identity(self) -> bool:
@@ -102,20 +100,24 @@ class FaceAugmentation:
             "color_jitter": self.color_jitter,
         }
 
-    def __call__(self, image: Tensor) -> Tensor:
+    def __call__(self, image: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """Augment one CHW image; returns a new tensor or ``image`` itself when nothing applies.
+
+        Args:
+            image: CHW tensor with 3 channels in [-1, 1].
+            generator: the source of every random draw; ``None`` means torch's global RNG.
 
         Raises:
             ValueError: ``image`` is not a 3-channel CHW tensor.
         """
         if image.dim() != 3 or image.shape[0] != 3:
             raise ValueError(f"`image` must be a CHW tensor with 3 channels, got shape {tuple(image.shape)}")
-        if self.hflip > 0.0 and float(torch.rand(())) < self.hflip:
+        if self.hflip > 0.0 and float(torch.rand((), generator=generator)) < self.hflip:
             image = image.flip(-1)
         if self.rotation_degrees > 0.0:
-            image = _rotate(image, _uniform(-self.rotation_degrees, self.rotation_degrees))
+            image = _rotate(image, _uniform(-self.rotation_degrees, self.rotation_degrees, generator))
         if self.color_jitter > 0.0:
-            image = _color_jitter(image, self.color_jitter)
+            image = _color_jitter(image, self.color_jitter, generator)
         return image
 
     def __repr__(self) -> str:

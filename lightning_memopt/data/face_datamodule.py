@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 
 from lightning_memopt.data.augment import FaceAugmentation
 from lightning_memopt.data.loader_datamodule import LoaderDataModule
+from lightning_memopt.data.resumable import EpochIndex, run_seed, sample_generator
 
 _AUGMENTATION_KEYS = tuple(inspect.signature(FaceAugmentation).parameters)
 
@@ -91,17 +92,28 @@ def _as_augmentation(value: FaceAugmentation | Mapping[str, Any] | None) -> Face
 
 
 class _AugmentedDataset(Dataset):
-    """Apply an augmentation to the image of every ``(image, label)`` sample of a dataset."""
+    """Apply an augmentation to the image of every ``(image, label)`` sample of a dataset.
+
+    Keyed by :class:`~lightning_memopt.data.resumable.EpochIndex`, a sample's randomness comes from
+    ``(seed, epoch, index)`` alone (a resumed run augments as the uninterrupted one); keyed by a plain
+    index, from torch's global RNG.
+    """
+
+    takes_epoch_keys = True
 
     def __init__(self, dataset: Dataset, augmentation: FaceAugmentation) -> None:
         self.dataset = dataset
         self.augmentation = augmentation
+        self.seed = run_seed()
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: int) -> tuple[Tensor, int]:
-        image, label = self.dataset[index]
+    def __getitem__(self, key: int | EpochIndex) -> tuple[Tensor, int]:
+        if isinstance(key, EpochIndex):
+            image, label = self.dataset[key.index]
+            return self.augmentation(image, generator=sample_generator(self.seed, key.epoch, key.index)), label
+        image, label = self.dataset[key]
         return self.augmentation(image), label
 
 

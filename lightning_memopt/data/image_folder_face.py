@@ -11,6 +11,8 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from lightning_memopt.arguments import InputError, check_fraction, check_int, check_optional_int
+from lightning_memopt.data.checks import check_directory, check_extensions
 from lightning_memopt.data.face_datamodule import FaceDataModule, split_per_identity, to_face_tensor
 
 DEFAULT_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp")
@@ -48,20 +50,18 @@ def scan_image_folder(
         >>> classes, [label for _, label in samples]
         (['alice', 'bob'], [0, 1])
     """
-    root = os.fspath(root)
-    if not os.path.isdir(root):
-        raise FileNotFoundError(f"image folder `root` {root!r} does not exist or is not a directory")
-    suffixes = tuple(extension.lower() for extension in extensions)
+    root = check_directory("root", root, "image folder")
+    suffixes = tuple(extension.lower() for extension in check_extensions("extensions", extensions))
     with os.scandir(root) as entries:
         classes = sorted(entry.name for entry in entries if entry.is_dir() and not entry.name.startswith("."))
     if not classes:
-        raise ValueError(f"image folder `root` {root!r} has no identity sub-folders (one per identity)")
+        raise InputError(f"image folder `root` {root!r} has no identity sub-folders (one per identity)")
     samples: list[tuple[str, int]] = []
     for label, name in enumerate(classes):
         folder = os.path.join(root, name)
         files = list_image_files(folder, suffixes)
         if not files:
-            raise ValueError(f"identity folder {folder!r} has no image files (extensions {list(suffixes)!r})")
+            raise InputError(f"identity folder {folder!r} has no image files (extensions {list(suffixes)!r})")
         samples.extend((os.path.join(folder, file), label) for file in files)
     return classes, samples
 
@@ -113,7 +113,7 @@ def load_face_image(path: str, size: tuple[int, int] | None, reference: str | No
     except _DECODE_ERRORS as error:
         raise RuntimeError(f"cannot read image {path!r}: {error}") from error
     assert size is not None
-    raise ValueError(
+    raise InputError(
         f"image {path!r} is {file_size[0]}x{file_size[1]} but {reference!r} is {size[0]}x{size[1]};"
         " all images must share one size, or set `image_size` to resize them"
     )
@@ -130,15 +130,17 @@ class ImageFolderFaceDataset(Dataset):
             default the first sample).
 
     Raises:
-        ValueError: ``image_size`` is None and an image has a different size (when it is read).
-        RuntimeError: an image cannot be decoded (when it is read).
+        TypeError: ``image_size`` is not an integer.
+        ValueError: ``image_size`` is below 1; when a sample is read, ``image_size`` is None and the
+            image has another size than ``reference``.
+        RuntimeError: an image cannot be decoded (when it is read), naming the file.
     """
 
     def __init__(
         self, samples: Sequence[tuple[str, int]], image_size: int | None = None, reference: str | None = None
     ) -> None:
         self.samples = list(samples)
-        self.image_size = image_size
+        self.image_size = image_size = check_optional_int("image_size", image_size, minimum=1)
         self.reference = reference or (self.samples[0][0] if self.samples else None)
         self._size: tuple[int, int] | None = None if image_size is None else (image_size, image_size)
 
@@ -181,6 +183,7 @@ class ImageFolderFaceDataModule(FaceDataModule):
         FileNotFoundError: ``root`` does not exist.
         ValueError: no identity folders, an identity folder without images, ``num_classes``
             differs from the count found, or an argument is out of range.
+        TypeError: an argument has the wrong kind (``extensions=".png"``: give a list).
 
     Example::
 
@@ -206,15 +209,18 @@ class ImageFolderFaceDataModule(FaceDataModule):
         extensions: Sequence[str] = DEFAULT_EXTENSIONS,
         **kwargs: Any,
     ) -> None:
+        # Checked before the base class saves the arguments as hyperparameters, so it saves the checked values.
+        root = check_directory("root", root, "image folder")
+        num_classes = check_optional_int("num_classes", num_classes, minimum=1)
+        image_size = check_optional_int("image_size", image_size, minimum=1)
+        val_fraction = check_fraction("val_fraction", val_fraction, open_maximum=True)
+        seed = check_int("seed", seed, minimum=0)
+        check_extensions("extensions", extensions)
         super().__init__(**kwargs)
-        if image_size is not None and image_size < 1:
-            raise ValueError(f"`image_size` must be at least 1 or None, got {image_size!r}")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction!r}")
-        self.root = os.fspath(root)
+        self.root = root
         self.classes, self.samples = scan_image_folder(self.root, extensions)
         if num_classes is not None and num_classes != len(self.classes):
-            raise ValueError(
+            raise InputError(
                 f"`num_classes`={num_classes!r} but {self.root!r} has {len(self.classes)} identity folders;"
                 " set `num_classes` to that count or to None"
             )

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_memopt.arguments import check_bool, check_int, check_optional_int
+from lightning_memopt.data.resumable import ResumableDataLoader, run_seed
 from lightning_memopt.data.samplers import evaluation_sampler
 
 
@@ -27,7 +30,8 @@ class LoaderDataModule(LightningDataModule):
         drop_last: drop the last incomplete training batch.
 
     Raises:
-        ValueError: an argument is out of range.
+        ValueError: an argument is out of range (or a boolean is not true / false).
+        TypeError: an argument has the wrong kind (``batch_size="abc"``).
 
     Example::
 
@@ -47,12 +51,12 @@ class LoaderDataModule(LightningDataModule):
         drop_last: bool = True,
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"`batch_size` must be at least 1, got {batch_size!r}")
-        if val_batch_size is not None and val_batch_size < 1:
-            raise ValueError(f"`val_batch_size` must be at least 1 or None, got {val_batch_size!r}")
-        if num_workers < 0:
-            raise ValueError(f"`num_workers` must be at least 0, got {num_workers!r}")
+        batch_size = check_int("batch_size", batch_size, minimum=1)
+        val_batch_size = check_optional_int("val_batch_size", val_batch_size, minimum=1)
+        num_workers = check_int("num_workers", num_workers, minimum=0)
+        pin_memory = check_bool("pin_memory", pin_memory)
+        persistent_workers = check_bool("persistent_workers", persistent_workers)
+        drop_last = check_bool("drop_last", drop_last)
         if persistent_workers and num_workers == 0:
             raise ValueError("`persistent_workers=True` needs worker processes; set `num_workers` > 0 or turn it off")
         self.batch_size = batch_size
@@ -92,7 +96,10 @@ class LoaderDataModule(LightningDataModule):
         return self._datasets[1]
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches.
+        """Shuffled training batches whose order is a function of the run's seed and the epoch, resumable mid-epoch.
+
+        See :class:`~lightning_memopt.data.resumable.ResumableDataLoader`: Lightning saves its position
+        in checkpoints, so a resumed run sees the batches the uninterrupted run would have seen.
 
         Raises:
             ValueError: ``drop_last`` is set and the training set is smaller than one batch.
@@ -104,9 +111,7 @@ class LoaderDataModule(LightningDataModule):
                 f"the training set has {size} samples, fewer than `batch_size`={self.batch_size!r}, so"
                 " `drop_last=True` would leave no batch; lower `batch_size` or set `drop_last=False`"
             )
-        return DataLoader(
-            dataset, batch_size=self.batch_size, shuffle=True, drop_last=self.drop_last, **self.loader_options
-        )
+        return ResumableDataLoader(dataset, batch_size=self.batch_size, drop_last=self.drop_last, **self.loader_options)
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation batches in order, or ``[]`` (no validation) when there is no validation data.
@@ -122,8 +127,13 @@ class LoaderDataModule(LightningDataModule):
         """Batches of ``dataset`` in order; under DDP each rank a share, each sample once (no padding).
 
         Under a sharded strategy (FSDP) the ranks run the same number of batches, a few samples repeated.
+        The loader has its own generator: evaluating draws nothing from the global RNG, so training's random
+        stream is the same whether or not (and however often) validation ran, as a resumed run needs.
         """
         strategy = getattr(self.trainer, "strategy", None)
         sharded = isinstance(strategy, FSDPStrategy | ModelParallelStrategy)  # (fsdp_memopt builds on the latter)
         sampler = evaluation_sampler(dataset, sharded_model=sharded)  # type: ignore[arg-type]
-        return DataLoader(dataset, batch_size=self.val_batch_size, sampler=sampler, **self.loader_options)
+        generator = torch.Generator().manual_seed(run_seed())
+        return DataLoader(
+            dataset, batch_size=self.val_batch_size, sampler=sampler, generator=generator, **self.loader_options
+        )

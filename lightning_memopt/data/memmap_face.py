@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from lightning_memopt.arguments import InputError, check_file, check_fraction, check_int, check_optional_int
+from lightning_memopt.data.checks import check_directory
 from lightning_memopt.data.face_datamodule import FaceDataModule, split_per_identity, to_face_tensor
 
 FORMAT = "lightning_memopt.faces.v1"
@@ -61,20 +64,20 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
         with open(file, encoding="utf-8") as stream:
             meta = json.load(stream)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"cannot read {file!r} as JSON: {error}") from error
+        raise InputError(f"cannot read {file!r} as JSON: {error}") from error
     if not isinstance(meta, dict):
-        raise ValueError(f"{file!r} must hold a JSON object, got {type(meta).__name__}")
+        raise InputError(f"{file!r} must hold a JSON object, got {type(meta).__name__}")
     missing = [key for key in ("format", *_META_INTS) if key not in meta]
     if missing:
-        raise ValueError(f"{file!r} misses keys {missing!r}; expected keys {['format', *_META_INTS]!r}")
+        raise InputError(f"{file!r} misses keys {missing!r}; expected keys {['format', *_META_INTS]!r}")
     if meta["format"] != FORMAT:
-        raise ValueError(f"{file!r} has `format` {meta['format']!r}; expected {FORMAT!r}")
+        raise InputError(f"{file!r} has `format` {meta['format']!r}; expected {FORMAT!r}")
     for key in _META_INTS:
         value = meta[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{file!r} has `{key}` {value!r}; expected a positive integer")
+            raise InputError(f"{file!r} has `{key}` {value!r}; expected a positive integer")
     if meta["channels"] != 3:
-        raise ValueError(f"{file!r} has `channels` {meta['channels']!r}; only 3 (RGB) is supported")
+        raise InputError(f"{file!r} has `channels` {meta['channels']!r}; only 3 (RGB) is supported")
     return meta
 
 
@@ -90,15 +93,15 @@ def read_labels(path: str | os.PathLike[str], meta: dict[str, Any]) -> np.ndarra
         raise FileNotFoundError(f"memmap face dataset file {file!r} is missing")
     try:
         labels = np.load(file, allow_pickle=False)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"cannot read {file!r} as a .npy array: {error}") from error
+    except (OSError, ValueError, EOFError) as error:
+        raise InputError(f"cannot read {file!r} as a .npy array: {error}") from error
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(f"{file!r} must hold a 1-D integer array, got {labels.dtype} of shape {labels.shape}")
+        raise InputError(f"{file!r} must hold a 1-D integer array, got {labels.dtype} of shape {labels.shape}")
     if labels.shape[0] != meta["count"]:
-        raise ValueError(f"{file!r} has {labels.shape[0]} labels but meta.json says `count` {meta['count']}")
+        raise InputError(f"{file!r} has {labels.shape[0]} labels but meta.json says `count` {meta['count']}")
     low, high = int(labels.min()), int(labels.max())
     if low < 0 or high >= meta["num_classes"]:
-        raise ValueError(
+        raise InputError(
             f"{file!r} has labels in [{low}, {high}], outside [0, {meta['num_classes']}) given by"
             " meta.json `num_classes`"
         )
@@ -119,7 +122,7 @@ def check_images(path: str | os.PathLike[str], meta: dict[str, Any]) -> str:
     expected = int(np.prod(shape))
     actual = os.path.getsize(file)
     if actual != expected:
-        raise ValueError(
+        raise InputError(
             f"{file!r} has {actual} bytes but meta.json describes uint8 images of shape {shape} ="
             f" {expected} bytes; the file is truncated or does not match meta.json"
         )
@@ -137,6 +140,12 @@ class MemmapFaceDataset(Dataset):
         shape: its ``(count, height, width)``.
         labels: int64 [count], the label of every image in the file.
         indices: the rows of the file this dataset holds, in order (default: all).
+
+    Raises:
+        FileNotFoundError: ``images_file`` does not exist.
+        TypeError: ``shape`` is not three integers.
+        ValueError: the file's size does not match ``shape``, ``labels`` is not one integer per image,
+            or an index is outside the file.
 
     Example::
 
@@ -156,10 +165,23 @@ class MemmapFaceDataset(Dataset):
         labels: np.ndarray,
         indices: np.ndarray | None = None,
     ) -> None:
-        self.images_file = images_file
-        self.shape = tuple(shape)
-        self.indices = np.arange(shape[0]) if indices is None else np.asarray(indices, dtype=np.int64)
-        self.labels = np.asarray(labels, dtype=np.int64)[self.indices]
+        self.images_file = check_file("images_file", images_file)
+        if isinstance(shape, str) or not isinstance(shape, Sequence) or len(shape) != 3:
+            raise TypeError(f"`shape` must be (count, height, width), got {shape!r}")
+        count, height, width = (check_int("shape", size, minimum=1) for size in shape)
+        self.shape = (count, height, width)
+        expected, actual = count * height * width * 3, os.path.getsize(self.images_file)
+        if actual != expected:
+            raise InputError(
+                f"{self.images_file!r} has {actual} bytes, not the {expected} of `shape` {self.shape} × 3 channels"
+            )
+        labels = np.asarray(labels)
+        if labels.shape != (count,) or not np.issubdtype(labels.dtype, np.integer):
+            raise InputError(f"`labels` must be {count} integers (one per image), got {labels.dtype} {labels.shape}")
+        self.indices = np.arange(count) if indices is None else np.asarray(indices, dtype=np.int64)
+        if self.indices.ndim != 1 or (self.indices.size and not 0 <= self.indices.min() <= self.indices.max() < count):
+            raise InputError(f"`indices` must be a list of rows in [0, {count}), got {indices!r}")
+        self.labels = labels.astype(np.int64)[self.indices]
         self._images: np.memmap | None = None
 
     def __len__(self) -> int:
@@ -196,6 +218,7 @@ class MemmapFaceDataModule(FaceDataModule):
         FileNotFoundError: ``path`` or one of its files is missing.
         ValueError: a file does not match the format, ``num_classes`` or ``image_size`` differs
             from meta.json, or an argument is out of range.
+        TypeError: an argument has the wrong kind.
 
     Example::
 
@@ -222,24 +245,26 @@ class MemmapFaceDataModule(FaceDataModule):
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
+        # Checked before the base class saves the arguments as hyperparameters, so it saves the checked values.
+        path = check_directory("path", path, "memmap face dataset")
+        num_classes = check_optional_int("num_classes", num_classes, minimum=1)
+        image_size = check_optional_int("image_size", image_size, minimum=1)
+        val_fraction = check_fraction("val_fraction", val_fraction, open_maximum=True)
+        seed = check_int("seed", seed, minimum=0)
         super().__init__(**kwargs)
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction!r}")
-        self.path = os.fspath(path)
-        if not os.path.isdir(self.path):
-            raise FileNotFoundError(f"memmap face dataset `path` {self.path!r} does not exist or is not a directory")
+        self.path = path
         self.meta = read_meta(self.path)
         self.images_file = check_images(self.path, self.meta)
         self.labels = read_labels(self.path, self.meta)
         meta_file = os.path.join(self.path, META_FILE)
         if num_classes is not None and num_classes != self.meta["num_classes"]:
-            raise ValueError(
+            raise InputError(
                 f"`num_classes`={num_classes!r} but {meta_file!r} says {self.meta['num_classes']} identities;"
                 " set `num_classes` to that count or to None"
             )
         height, width = self.meta["height"], self.meta["width"]
         if image_size is not None and (image_size, image_size) != (height, width):
-            raise ValueError(
+            raise InputError(
                 f"`image_size`={image_size!r} but {meta_file!r} describes {height}x{width} images;"
                 " set `image_size` to match or to None"
             )

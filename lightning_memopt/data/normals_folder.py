@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from lightning_memopt.arguments import InputError, check_fraction, check_int, check_path
+from lightning_memopt.data.checks import check_directory, check_extensions, check_optional_size_pair
 from lightning_memopt.data.image_folder_face import image_size_of, list_image_files, load_face_image
 from lightning_memopt.data.loader_datamodule import LoaderDataModule
 from lightning_memopt.data.normals_sample import normals_sample
@@ -57,14 +59,14 @@ def scan_normals_folder(
         ...
         FileNotFoundError: normals folder '/no/such' has no `images` sub-folder (expected '/no/such/images')
     """
-    root = os.fspath(root)
+    root = check_path("root", root)
     images = os.path.join(root, "images")
     if not os.path.isdir(images):
         raise FileNotFoundError(f"normals folder {root!r} has no `images` sub-folder (expected {images!r})")
-    suffixes = tuple(extension.lower() for extension in extensions)
+    suffixes = tuple(extension.lower() for extension in check_extensions("extensions", extensions))
     names = list_image_files(images, suffixes)
     if not names:
-        raise ValueError(f"{images!r} has no image files (extensions {list(suffixes)!r})")
+        raise InputError(f"{images!r} has no image files (extensions {list(suffixes)!r})")
     samples = []
     for name in names:
         stem = os.path.splitext(name)[0]
@@ -79,13 +81,13 @@ def scan_normals_folder(
 def _read_normal_map(files: NormalsFiles, height: int, width: int) -> np.ndarray:
     try:
         normal = np.load(files.normal, allow_pickle=False)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, EOFError) as error:
         raise RuntimeError(f"cannot read normals {files.normal!r}: {error}") from error
     if normal.shape != (height, width, 3):
         expected = f"(H, W, 3) = ({height}, {width}, 3)"
-        raise ValueError(f"{files.normal} has shape {normal.shape}, expected {expected} to match {files.image}")
+        raise InputError(f"{files.normal} has shape {normal.shape}, expected {expected} to match {files.image}")
     if not np.issubdtype(normal.dtype, np.floating):
-        raise ValueError(f"{files.normal} has dtype {normal.dtype}, expected floating-point unit normals")
+        raise InputError(f"{files.normal} has dtype {normal.dtype}, expected floating-point unit normals")
     return normal.astype(np.float32)
 
 
@@ -106,14 +108,14 @@ def load_normals_files(files: NormalsFiles, unit_tolerance: float = 1e-2) -> tup
     if files.mask is not None:
         mask = load_face_image(files.mask, None).any(axis=2)
         if mask.shape != (height, width):
-            raise ValueError(
+            raise InputError(
                 f"{files.mask} has shape {mask.shape}, expected (H, W) = ({height}, {width}) to match {files.image}"
             )
         valid &= mask
     deviation = np.where(valid, np.abs(length - 1.0), 0.0)
     if deviation.max(initial=0.0) > unit_tolerance:
         row, col = np.unravel_index(deviation.argmax(), deviation.shape)
-        raise ValueError(
+        raise InputError(
             f"{files.normal} holds a normal of length {length[row, col]:.4g} at pixel (row {row}, column {col});"
             f" valid normals must have unit length within `unit_tolerance`={unit_tolerance!r}"
         )
@@ -157,15 +159,18 @@ class NormalsFolderDataset(Dataset):
         unit_tolerance: largest accepted ``| |n| − 1 |`` of a valid normal.
 
     Raises:
-        ValueError: ``image_size`` is None and an image has another size than the first (when read).
+        TypeError: ``image_size`` is not ``(H, W)`` or ``unit_tolerance`` not a number.
+        ValueError: ``image_size`` or ``unit_tolerance`` is out of range; when a sample is read,
+            ``image_size`` is None and its image has another size than the first, or the errors of
+            :func:`load_normals_files`.
     """
 
     def __init__(
         self, files: Sequence[NormalsFiles], image_size: Sequence[int] | None = None, unit_tolerance: float = 1e-2
     ) -> None:
         self.files = list(files)
-        self.image_size = None if image_size is None else (int(image_size[0]), int(image_size[1]))
-        self.unit_tolerance = unit_tolerance
+        self.image_size = check_optional_size_pair("image_size", image_size)
+        self.unit_tolerance = check_fraction("unit_tolerance", unit_tolerance, open_minimum=True, open_maximum=True)
         self._reference_size: tuple[int, int] | None = None
 
     def __len__(self) -> int:
@@ -180,7 +185,7 @@ class NormalsFolderDataset(Dataset):
             width, height = image_size_of(self.files[0].image)
             self._reference_size = (height, width)
         if tuple(image.shape[-2:]) != self._reference_size:
-            raise ValueError(
+            raise InputError(
                 f"{files.image} is {image.shape[-2]}x{image.shape[-1]} (H x W) but {self.files[0].image} is"
                 f" {self._reference_size[0]}x{self._reference_size[1]}; all images must share one size,"
                 " or set `image_size` to resize them"
@@ -205,8 +210,9 @@ class NormalsFolderDataModule(LoaderDataModule):
         **kwargs: loader arguments of ``LoaderDataModule`` (``batch_size``, ``num_workers`` …).
 
     Raises:
-        FileNotFoundError: ``root/images`` or a normals file is missing.
+        FileNotFoundError: ``root``, ``root/images`` or a normals file is missing.
         ValueError: no images, or an argument is out of range.
+        TypeError: an argument has the wrong kind.
 
     Example::
 
@@ -233,16 +239,17 @@ class NormalsFolderDataModule(LoaderDataModule):
         extensions: Sequence[str] = DEFAULT_EXTENSIONS,
         **kwargs: Any,
     ) -> None:
+        # Checked before the base class saves the arguments as hyperparameters, so it saves the checked values.
+        root = check_directory("root", root, "normals folder")
+        size = check_optional_size_pair("image_size", image_size)
+        val_fraction = check_fraction("val_fraction", val_fraction, open_maximum=True)
+        seed = check_int("seed", seed, minimum=0)
+        unit_tolerance = check_fraction("unit_tolerance", unit_tolerance, open_minimum=True, open_maximum=True)
+        check_extensions("extensions", extensions)
         super().__init__(**kwargs)
-        if image_size is not None and (len(image_size) != 2 or min(image_size) < 1):
-            raise ValueError(f"`image_size` must be (H, W) of positive sizes or None, got {image_size!r}")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction!r}")
-        if not 0.0 < unit_tolerance < 1.0:
-            raise ValueError(f"`unit_tolerance` must be in (0, 1), got {unit_tolerance!r}")
-        self.root = os.fspath(root)
+        self.root = root
         self.files = scan_normals_folder(self.root, extensions)
-        self.image_size = image_size
+        self.image_size = size
         self.val_fraction = val_fraction
         self.seed = seed
         self.unit_tolerance = unit_tolerance

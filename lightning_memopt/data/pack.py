@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from lightning_memopt.arguments import InputError
+from lightning_memopt.cli.errors import input_errors
 from lightning_memopt.data.image_folder_face import ImageFolderFaceDataset, scan_image_folder
 from lightning_memopt.data.memmap_face import IMAGES_FILE, LABELS_FILE, META_FILE, make_meta
 
@@ -55,7 +57,7 @@ def pack_image_folder(
         (1, 16, 16, 1)
     """
     if image_size is not None and image_size < 1:
-        raise ValueError(f"`image_size` must be at least 1 or None, got {image_size!r}")
+        raise InputError(f"`image_size` must be at least 1 or None, got {image_size!r}")
     classes, samples = scan_image_folder(src)
     dataset = ImageFolderFaceDataset(samples, image_size)
     dst = os.fspath(dst)
@@ -77,7 +79,7 @@ def pack_image_folder(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line of ``pack_image_folder``; prints a one-line summary and returns 0.
+    """Command line of ``pack_image_folder``; prints a one-line summary and returns 0 (2 for a bad input).
 
     Example::
 
@@ -99,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--image-size", type=int, default=None, metavar="N", help="resize images to N x N (PIL bilinear)"
     )
     args = parser.parse_args(argv)
-    meta = pack_image_folder(args.src, args.dst, image_size=args.image_size)
+    with input_errors("memopt-pack-faces", building=True):  # a bad folder or image: one line, exit status 2
+        meta = pack_image_folder(args.src, args.dst, image_size=args.image_size)
     print(
         f"packed {meta['count']} images of {meta['height']}x{meta['width']} from {meta['num_classes']}"
         f" identities into {args.dst}"

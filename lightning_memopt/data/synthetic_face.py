@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_memopt.arguments import check_bool, check_int
 from lightning_memopt.data.face_datamodule import FaceDataModule
 from lightning_memopt.data.verification_pairs import PairDataset, verification_pairs
 
@@ -44,6 +45,10 @@ class SyntheticFaceDataset(Dataset):
         first_sample: number of the first sample of each class, so that datasets with
             non-overlapping ranges (train and validation) hold different samples.
 
+    Raises:
+        ValueError: a count or size below 1, or a negative ``first_sample``.
+        TypeError: an argument is not an integer.
+
     Example::
 
         >>> dataset = SyntheticFaceDataset(num_classes=3, samples_per_class=2, image_size=16, seed=0)
@@ -55,11 +60,11 @@ class SyntheticFaceDataset(Dataset):
     def __init__(
         self, num_classes: int, samples_per_class: int, image_size: int, seed: int, first_sample: int = 0
     ) -> None:
-        self.num_classes = num_classes
-        self.samples_per_class = samples_per_class
-        self.image_size = image_size
-        self.seed = operator.index(seed)
-        self.first_sample = first_sample
+        self.num_classes = check_int("num_classes", num_classes, minimum=1)
+        self.samples_per_class = check_int("samples_per_class", samples_per_class, minimum=1)
+        self.image_size = image_size = check_int("image_size", image_size, minimum=1)
+        self.seed = check_int("seed", seed)
+        self.first_sample = check_int("first_sample", first_sample, minimum=0)
         self._shift = max(1, round(image_size * _MAX_SHIFT_FRACTION))
         # [image_size + 2 * shift, 8]: linear interpolation (align_corners=False) of 8 values.
         eye = torch.eye(_PATTERN_SIZE)[None]
@@ -109,6 +114,7 @@ class SyntheticFaceDataModule(FaceDataModule):
 
     Raises:
         ValueError: an argument is out of range.
+        TypeError: an argument has the wrong kind.
 
     Example::
 
@@ -129,15 +135,16 @@ class SyntheticFaceDataModule(FaceDataModule):
         verification_pairs: bool = False,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
-        if num_classes < 1:
-            raise ValueError(f"`num_classes` must be at least 1, got {num_classes!r}")
-        if samples_per_class < 1:
-            raise ValueError(f"`samples_per_class` must be at least 1, got {samples_per_class!r}")
-        if val_samples_per_class < 0:
-            raise ValueError(f"`val_samples_per_class` must be at least 0, got {val_samples_per_class!r}")
-        if image_size < 16 or image_size % 16:
+        # Checked before the base class saves the arguments as hyperparameters, so it saves the checked values.
+        num_classes = check_int("num_classes", num_classes, minimum=1)
+        samples_per_class = check_int("samples_per_class", samples_per_class, minimum=1)
+        val_samples_per_class = check_int("val_samples_per_class", val_samples_per_class, minimum=0)
+        image_size = check_int("image_size", image_size, minimum=16)
+        if image_size % 16:
             raise ValueError(f"`image_size` must be a multiple of 16 and at least 16 (e.g. 112), got {image_size!r}")
+        seed = check_int("seed", seed)
+        verification_pairs = check_bool("verification_pairs", verification_pairs)
+        super().__init__(**kwargs)
         self.num_classes = num_classes
         self.samples_per_class = samples_per_class
         self.val_samples_per_class = val_samples_per_class

@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from lightning_memopt.arguments import check_int
+from lightning_memopt.data.checks import check_size_pair
 from lightning_memopt.data.loader_datamodule import LoaderDataModule
 from lightning_memopt.data.normals_sample import normals_sample
 
@@ -224,6 +226,10 @@ class SyntheticNormalsDataset(Dataset):
             (train and validation) hold different scenes.
         max_objects: each scene holds 1 … ``max_objects`` objects.
 
+    Raises:
+        ValueError: an argument is out of range.
+        TypeError: an argument has the wrong kind.
+
     Example::
 
         >>> dataset = SyntheticNormalsDataset(num_samples=3, image_size=(24, 32), seed=0)
@@ -235,11 +241,11 @@ class SyntheticNormalsDataset(Dataset):
     def __init__(
         self, num_samples: int, image_size: Sequence[int], seed: int, first_index: int = 0, max_objects: int = 3
     ) -> None:
-        self.num_samples = num_samples
-        self.height, self.width = (int(size) for size in image_size)
-        self.seed = operator.index(seed)
-        self.first_index = first_index
-        self.max_objects = max_objects
+        self.num_samples = check_int("num_samples", num_samples, minimum=0)
+        self.height, self.width = check_size_pair("image_size", image_size, minimum=1)
+        self.seed = check_int("seed", seed, minimum=0)
+        self.first_index = check_int("first_index", first_index, minimum=0)
+        self.max_objects = check_int("max_objects", max_objects, minimum=1)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -267,6 +273,7 @@ class SyntheticNormalsDataModule(LoaderDataModule):
 
     Raises:
         ValueError: an argument is out of range.
+        TypeError: an argument has the wrong kind.
 
     Example::
 
@@ -285,20 +292,16 @@ class SyntheticNormalsDataModule(LoaderDataModule):
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
+        # Checked before the base class saves the arguments as hyperparameters, so it saves the checked values.
+        num_samples = check_int("num_samples", num_samples, minimum=1)
+        val_samples = check_int("val_samples", val_samples, minimum=0)
+        size = check_size_pair("image_size", image_size, minimum=8)
+        max_objects = check_int("max_objects", max_objects, minimum=1)
+        seed = check_int("seed", seed, minimum=0)
         super().__init__(**kwargs)
-        if num_samples < 1:
-            raise ValueError(f"`num_samples` must be at least 1, got {num_samples!r}")
-        if val_samples < 0:
-            raise ValueError(f"`val_samples` must be at least 0, got {val_samples!r}")
-        if len(image_size) != 2 or min(image_size) < 8:
-            raise ValueError(f"`image_size` must be (H, W), each at least 8 (e.g. (1024, 768)), got {image_size!r}")
-        if max_objects < 1:
-            raise ValueError(f"`max_objects` must be at least 1, got {max_objects!r}")
-        if seed < 0:
-            raise ValueError(f"`seed` must be at least 0, got {seed!r}")
         self.num_samples = num_samples
         self.val_samples = val_samples
-        self.image_size = (int(image_size[0]), int(image_size[1]))
+        self.image_size = size
         self.max_objects = max_objects
         self.seed = seed
 

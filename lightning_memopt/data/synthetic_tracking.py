@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from lightning_memopt.arguments import check_int
+from lightning_memopt.data.checks import check_size_pair
 from lightning_memopt.data.loader_datamodule import LoaderDataModule
-from lightning_memopt.data.tracking_sample import tracking_sample
+from lightning_memopt.data.tracking_sample import collate_tracking_samples, tracking_sample
 
 _TEXTURE_CELLS = 12  # a layer's texture: a 12 × 12 grid of random colours plus a coarse 3 × 3 tint
 _BACKGROUND_SCALE = 1.25  # the background extends 25 % past every edge of the frame …
@@ -190,6 +192,10 @@ class SyntheticTrackingDataset(Dataset):
         first_clip: number of the first clip, so that datasets with non-overlapping ranges (train and
             validation) hold different clips.
 
+    Raises:
+        ValueError: an argument is out of range.
+        TypeError: an argument has the wrong kind.
+
     Example::
 
         >>> dataset = SyntheticTrackingDataset(2, sequence_len=8, image_size=(32, 48), traj_per_sample=5, seed=0)
@@ -210,13 +216,13 @@ class SyntheticTrackingDataset(Dataset):
         num_objects: int = 3,
         first_clip: int = 0,
     ) -> None:
-        self.num_clips = num_clips
-        self.sequence_len = sequence_len
-        self.height, self.width = (int(size) for size in image_size)
-        self.traj_per_sample = traj_per_sample
-        self.seed = operator.index(seed)
-        self.num_objects = num_objects
-        self.first_clip = first_clip
+        self.num_clips = check_int("num_clips", num_clips, minimum=0)
+        self.sequence_len = check_int("sequence_len", sequence_len, minimum=1)
+        self.height, self.width = check_size_pair("image_size", image_size, minimum=2)
+        self.traj_per_sample = check_int("traj_per_sample", traj_per_sample, minimum=1)
+        self.seed = check_int("seed", seed, minimum=0)
+        self.num_objects = check_int("num_objects", num_objects, minimum=0)
+        self.first_clip = check_int("first_clip", first_clip, minimum=0)
 
     def __len__(self) -> int:
         return self.num_clips
@@ -230,7 +236,8 @@ class SyntheticTrackingDataset(Dataset):
         candidates = _CANDIDATES_PER_TRACK * self.traj_per_sample
         tracks, owners = place_points(rng, layers, candidates, self.height, self.width)
         visibility = point_visibility(tracks, owners, layers, self.height, self.width)
-        return tracking_sample(video, tracks.numpy(), visibility.numpy(), self.traj_per_sample, rng)
+        source = f"synthetic clip {self.first_clip + operator.index(index)}"
+        return tracking_sample(video, tracks.numpy(), visibility.numpy(), self.traj_per_sample, rng, source)
 
 
 class SyntheticTrackingDataModule(LoaderDataModule):
@@ -251,6 +258,7 @@ class SyntheticTrackingDataModule(LoaderDataModule):
 
     Raises:
         ValueError: an argument is out of range.
+        TypeError: an argument has the wrong kind.
 
     Example::
 
@@ -272,24 +280,20 @@ class SyntheticTrackingDataModule(LoaderDataModule):
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
+        # Checked before the base class saves the arguments as hyperparameters, so it saves the checked values.
+        num_clips = check_int("num_clips", num_clips, minimum=1)
+        val_clips = check_int("val_clips", val_clips, minimum=0)
+        sequence_len = check_int("sequence_len", sequence_len, minimum=2)
+        size = check_size_pair("image_size", image_size, minimum=16)
+        traj_per_sample = check_int("traj_per_sample", traj_per_sample, minimum=1)
+        num_objects = check_int("num_objects", num_objects, minimum=0)
+        seed = check_int("seed", seed, minimum=0)
         super().__init__(**kwargs)
-        checks = {
-            "num_clips": (num_clips, 1),
-            "val_clips": (val_clips, 0),
-            "sequence_len": (sequence_len, 2),
-            "traj_per_sample": (traj_per_sample, 1),
-            "num_objects": (num_objects, 0),
-            "seed": (seed, 0),
-        }
-        for name, (value, minimum) in checks.items():
-            if value < minimum:
-                raise ValueError(f"`{name}` must be at least {minimum}, got {value!r}")
-        if len(image_size) != 2 or min(image_size) < 16:
-            raise ValueError(f"`image_size` must be (H, W), each at least 16 (e.g. (384, 512)), got {image_size!r}")
+        self.loader_options["collate_fn"] = collate_tracking_samples  # a size mismatch names the clips
         self.num_clips = num_clips
         self.val_clips = val_clips
         self.sequence_len = sequence_len
-        self.image_size = (int(image_size[0]), int(image_size[1]))
+        self.image_size = size
         self.traj_per_sample = traj_per_sample
         self.num_objects = num_objects
         self.seed = seed

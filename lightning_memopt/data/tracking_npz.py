@@ -4,18 +4,23 @@ A clip is one ``.npz`` archive holding three arrays:
 
 - ``video``: uint8 ``T×H×W×3`` (RGB);
 - ``tracks``: float ``T×N×2``, ``(x, y)`` in pixels, pixel centres at integer coordinates;
-- ``visibility``: bool ``T×N`` (integer 0 / 1 is accepted too).
+- ``visibility``: bool ``T×N`` (integer or float 0 / 1 is accepted too).
+
+Visible points must lie in the frame and points marked invisible not far outside it (the bounds of
+:func:`~lightning_memopt.data.tracking_sample.check_track_positions`).
 
 A dataset is a directory of such clips (``*.npz``, read in sorted order); the clips of a dataset
-share ``H×W`` so that they batch. Each sample is a crop of ``sequence_len`` frames (the start drawn
-from ``(seed, index)``) with ``traj_per_sample`` tracks chosen as
-:mod:`lightning_memopt.data.tracking_sample` says: a clip with fewer visible tracks repeats them.
+share ``H×W`` so that they batch (a batch of clips of different sizes is an error naming their files).
+Each sample is a crop of ``sequence_len`` frames (the start drawn from ``(seed, index)``) with
+``traj_per_sample`` tracks chosen as :mod:`lightning_memopt.data.tracking_sample` says: a clip with
+fewer visible tracks repeats them.
 """
 
 from __future__ import annotations
 
 import os
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +29,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from lightning_memopt.arguments import InputError, check_fraction, check_int, check_optional_int, check_path
+from lightning_memopt.data.checks import check_directory
 from lightning_memopt.data.loader_datamodule import LoaderDataModule
-from lightning_memopt.data.tracking_sample import tracking_sample
+from lightning_memopt.data.tracking_sample import check_track_positions, collate_tracking_samples, tracking_sample
 
 ARRAYS = ("video", "tracks", "visibility")
 EXPECTED = "`video` uint8 T×H×W×3, `tracks` float T×N×2 and `visibility` bool T×N"
@@ -54,8 +61,9 @@ def read_tracking_clip(path: str | os.PathLike[str]) -> tuple[np.ndarray, np.nda
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: it is not a readable ``.npz``, misses an array, or an array has the wrong dtype or
-            shape; the message names the file and the expected shapes.
+        ValueError: it is not a readable ``.npz`` (truncated, corrupt), misses an array, an array has the
+            wrong dtype or shape, ``visibility`` holds values other than 0 / 1, or a position is not finite,
+            visible outside the frame or invisible far outside it; the message names the file.
     """
     file = os.fspath(path)
     if not os.path.isfile(file):
@@ -63,33 +71,48 @@ def read_tracking_clip(path: str | os.PathLike[str]) -> tuple[np.ndarray, np.nda
     try:
         archive = np.load(file, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
-        raise ValueError(
+        raise InputError(
             f"cannot read {file!r} as a .npz archive ({error}); a tracking clip holds {EXPECTED}"
         ) from error
     if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise ValueError(f"{file!r} holds a single array, not a .npz archive; a tracking clip holds {EXPECTED}")
+        raise InputError(f"{file!r} holds a single array, not a .npz archive; a tracking clip holds {EXPECTED}")
     with archive:
         missing = [name for name in ARRAYS if name not in archive.files]
         if missing:
-            raise ValueError(f"{file!r} misses the arrays {missing!r}; a tracking clip holds {EXPECTED}")
-        video, tracks, visibility = (archive[name] for name in ARRAYS)
+            raise InputError(f"{file!r} misses the arrays {missing!r}; a tracking clip holds {EXPECTED}")
+        try:
+            video, tracks, visibility = (archive[name] for name in ARRAYS)
+        except Exception as error:  # zlib, zipfile and .npy header errors of a truncated or corrupt member
+            raise InputError(
+                f"cannot read {file!r}: an array in it is truncated or corrupt ({type(error).__name__}: {error});"
+                f" a tracking clip holds {EXPECTED}"
+            ) from error
     if video.dtype != np.uint8 or video.ndim != 4 or video.shape[-1] != 3:
-        raise ValueError(f"{file!r}: `video` must be uint8 T×H×W×3, got {video.dtype} of shape {video.shape}")
+        raise InputError(f"{file!r}: `video` must be uint8 T×H×W×3, got {video.dtype} of shape {video.shape}")
     frames = video.shape[0]
     if not np.issubdtype(tracks.dtype, np.floating) or tracks.ndim != 3 or tracks.shape[::2] != (frames, 2):
-        raise ValueError(
+        raise InputError(
             f"{file!r}: `tracks` must be float T×N×2 with T = {frames} (the frames of `video`),"
             f" got {tracks.dtype} of shape {tracks.shape}"
         )
-    if not np.isfinite(tracks).all():
-        raise ValueError(f"{file!r}: `tracks` holds NaN or infinite positions")
-    is_flag = visibility.dtype == bool or np.issubdtype(visibility.dtype, np.integer)
-    if not is_flag or visibility.shape != tracks.shape[:2]:
-        raise ValueError(
+    is_number = any(np.issubdtype(visibility.dtype, kind) for kind in (np.bool_, np.integer, np.floating))
+    if not is_number or visibility.shape != tracks.shape[:2]:
+        raise InputError(
             f"{file!r}: `visibility` must be bool T×N = {tracks.shape[:2]} (the frames and tracks of `tracks`),"
             f" got {visibility.dtype} of shape {visibility.shape}"
         )
-    return video, tracks.astype(np.float32), visibility.astype(bool)
+    if visibility.dtype != bool:
+        bad = ~np.isin(visibility, (0, 1))  # NaN included
+        if bad.any():
+            values = np.unique(visibility[bad])
+            shown = ", ".join(f"{value:g}" for value in values[:5].tolist()) + (" …" if values.size > 5 else "")
+            raise InputError(
+                f"{file!r}: `visibility` must be bool, or {visibility.dtype} holding only 0 and 1, but"
+                f" {int(bad.sum())} entries hold other values: {shown}"
+            )
+    visibility = visibility.astype(bool)
+    check_track_positions(tracks, visibility, video.shape[1], video.shape[2], source=repr(file))
+    return video, tracks.astype(np.float32), visibility
 
 
 class TrackingNpzDataset(Dataset):
@@ -100,6 +123,11 @@ class TrackingNpzDataset(Dataset):
         traj_per_sample: tracks per sample.
         sequence_len: frames per sample (a crop), or None for whole clips.
         seed: seed of the crops and of the choice of tracks (sample ``i`` depends on ``(seed, i)``).
+
+    Raises:
+        TypeError: ``files`` is not a list of paths, or an argument has the wrong kind.
+        ValueError: an argument is out of range; when a sample is read, the errors of
+            :func:`read_tracking_clip`, a clip shorter than ``sequence_len`` or without visible tracks.
 
     Example::
 
@@ -113,10 +141,12 @@ class TrackingNpzDataset(Dataset):
     """
 
     def __init__(self, files: list[str], traj_per_sample: int, sequence_len: int | None, seed: int) -> None:
-        self.files = list(files)
-        self.traj_per_sample = traj_per_sample
-        self.sequence_len = sequence_len
-        self.seed = seed
+        if isinstance(files, str | os.PathLike) or not isinstance(files, Sequence):
+            raise TypeError(f"`files` must be a list of clip files, got {files!r} ({type(files).__name__})")
+        self.files = [check_path("files", file) for file in files]
+        self.traj_per_sample = check_int("traj_per_sample", traj_per_sample, minimum=1)
+        self.sequence_len = check_optional_int("sequence_len", sequence_len, minimum=2)
+        self.seed = check_int("seed", seed, minimum=0)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -128,14 +158,14 @@ class TrackingNpzDataset(Dataset):
         frames = video.shape[0]
         length = frames if self.sequence_len is None else self.sequence_len
         if frames < length:
-            raise ValueError(f"{file!r} has {frames} frames, fewer than `sequence_len`={length!r}")
+            raise InputError(f"{file!r} has {frames} frames, fewer than `sequence_len`={length!r}")
         start = int(rng.integers(frames - length + 1))
         crop = slice(start, start + length)
         frames_tensor = torch.from_numpy(np.ascontiguousarray(video[crop])).permute(0, 3, 1, 2).float()
         try:
-            return tracking_sample(frames_tensor, tracks[crop], visibility[crop], self.traj_per_sample, rng)
+            return tracking_sample(frames_tensor, tracks[crop], visibility[crop], self.traj_per_sample, rng, file)
         except ValueError as error:
-            raise ValueError(f"{file!r}, frames {start}…{start + length - 1}: {error}") from error
+            raise InputError(f"{file!r}, frames {start}…{start + length - 1}: {error}") from error
 
 
 class TrackingNpzDataModule(LoaderDataModule):
@@ -153,6 +183,7 @@ class TrackingNpzDataModule(LoaderDataModule):
     Raises:
         FileNotFoundError: ``root`` is not a directory or holds no ``.npz`` file.
         ValueError: an argument is out of range.
+        TypeError: an argument has the wrong kind.
 
     Example::
 
@@ -176,15 +207,15 @@ class TrackingNpzDataModule(LoaderDataModule):
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
+        # Checked before the base class saves the arguments as hyperparameters, so it saves the checked values.
+        root = check_directory("root", root, "tracking dataset")
+        traj_per_sample = check_int("traj_per_sample", traj_per_sample, minimum=1)
+        sequence_len = check_optional_int("sequence_len", sequence_len, minimum=2)
+        val_fraction = check_fraction("val_fraction", val_fraction, open_maximum=True)
+        seed = check_int("seed", seed, minimum=0)
         super().__init__(**kwargs)
-        if traj_per_sample < 1:
-            raise ValueError(f"`traj_per_sample` must be at least 1, got {traj_per_sample!r}")
-        if sequence_len is not None and sequence_len < 2:
-            raise ValueError(f"`sequence_len` must be at least 2 or None, got {sequence_len!r}")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction!r}")
-        if not os.path.isdir(root):
-            raise FileNotFoundError(f"tracking dataset `root` {root!r} does not exist or is not a directory")
+        # Clips of different sizes in one batch: an error naming their files and sizes.
+        self.loader_options["collate_fn"] = collate_tracking_samples
         self.files = sorted(str(path) for path in Path(root).glob("*.npz"))
         if not self.files:
             raise FileNotFoundError(f"tracking dataset `root` {root!r} holds no .npz clip; each holds {EXPECTED}")

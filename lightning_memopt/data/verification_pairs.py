@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from lightning_memopt.arguments import check_bool, check_int
+
 
 def verification_pairs(labels: Sequence[int]) -> list[tuple[int, int, bool]]:
     """Pairs ``(i, j, same)`` of sample indices, same-identity and different-identity alternating.
@@ -41,10 +43,36 @@ class PairDataset(Dataset):
     """``(image_a, image_b, same, pair_index)`` for each pair of :func:`verification_pairs` over ``dataset``.
 
     The index lets a metric restore the list order (and drop repeats) after a distributed sampler.
+
+    Raises:
+        TypeError: a pair is not ``(int, int, bool)``.
+        ValueError: a pair names a sample outside ``dataset``.
+
+    Example::
+
+        >>> pairs = PairDataset([(torch.zeros(1), 0), (torch.ones(1), 0)], [(0, 1, True)])
+        >>> [item.tolist() for item in pairs[0]]
+        [[0.0], [1.0], True, 0]
+        >>> PairDataset([(torch.zeros(1), 0)], [(0, 1, True)])
+        Traceback (most recent call last):
+        ...
+        ValueError: `pairs[0]` = (0, 1, True) names sample 1, outside a dataset of 1 samples
     """
 
     def __init__(self, dataset: Dataset, pairs: Sequence[tuple[int, int, bool]]) -> None:
-        self.dataset, self.pairs = dataset, list(pairs)
+        size = len(dataset)  # type: ignore[arg-type]
+        self.dataset, self.pairs = dataset, []
+        for position, pair in enumerate(pairs):
+            name = f"pairs[{position}]"
+            if isinstance(pair, str) or not isinstance(pair, Sequence) or len(pair) != 3:
+                raise TypeError(f"`{name}` must be (index, index, same), got {pair!r}")
+            first, second = (check_int(name, index) for index in pair[:2])
+            for index in (first, second):
+                if not 0 <= index < size:
+                    raise ValueError(
+                        f"`{name}` = {tuple(pair)!r} names sample {index}, outside a dataset of {size} samples"
+                    )
+            self.pairs.append((first, second, check_bool(name, pair[2])))
 
     def __len__(self) -> int:
         return len(self.pairs)

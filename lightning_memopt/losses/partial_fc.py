@@ -77,14 +77,19 @@ class PartialFC(nn.Module):
                     f"labels must lie in [0, {self.num_classes}) for `num_classes`={self.num_classes}; "
                     f"got values in [{low}, {high}]"
                 )
-        if labels.numel() >= self.num_sample:  # enough samples for the positives alone to fill the sample
+        count = self.num_sample
+        if is_fake(labels):
+            # The positives' count depends on the values, which a fake tensor lacks (and `unique` has no fake
+            # shape): plan for the most classes a step can use, one per sample beyond the sample size.
+            count = min(self.num_classes, max(self.num_sample, labels.numel()))
+        elif labels.numel() >= self.num_sample:  # enough samples for the positives alone to fill the sample
             positives = torch.unique(labels, sorted=True)
             if positives.numel() >= self.num_sample:
                 return positives, torch.searchsorted(positives, labels)
         # every positive scores 2, every other class a uniform draw below 1: top-k keeps them all
         score = torch.rand(self.num_classes, device=labels.device)
         score[labels] = 2.0
-        class_index = score.topk(self.num_sample, sorted=False).indices.sort().values
+        class_index = score.topk(count, sorted=False).indices.sort().values
         return class_index, torch.searchsorted(class_index, labels)
 
     def memory_structure(self) -> MemoryStructure:

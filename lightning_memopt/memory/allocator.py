@@ -7,6 +7,8 @@ import warnings
 
 import torch
 
+from lightning_memopt.arguments import check_fraction, check_optional_bool, check_optional_int
+
 ENV_VAR = "PYTORCH_CUDA_ALLOC_CONF"
 
 
@@ -18,12 +20,14 @@ def allocator_settings(
     """Validate allocator options and return them as ``PYTORCH_CUDA_ALLOC_CONF`` key/value strings.
 
     Args:
-        expandable_segments: grow segments instead of allocating new ones (less fragmentation).
+        expandable_segments: grow segments instead of allocating new ones (less fragmentation); a
+            bool or a word (``"on"`` / ``"off"``, ``"true"`` / ``"false"``, ``"yes"`` / ``"no"``, ``"1"`` / ``"0"``).
         max_split_size_mb: blocks larger than this are never split; must be more than 20.
         garbage_collection_threshold: reclaim cached blocks when usage passes this fraction, in (0, 1).
 
     Raises:
         ValueError: for a value PyTorch would reject.
+        TypeError: a size or threshold that is no number (``"abc"``).
 
     Example::
 
@@ -31,20 +35,17 @@ def allocator_settings(
         {'expandable_segments': 'True', 'max_split_size_mb': '128'}
     """
     settings: dict[str, str] = {}
+    expandable_segments = check_optional_bool("expandable_segments", expandable_segments)
     if expandable_segments is not None:
-        if not isinstance(expandable_segments, bool):
-            raise ValueError(f"`expandable_segments`={expandable_segments!r} must be true or false")
         settings["expandable_segments"] = str(expandable_segments)
+    max_split_size_mb = check_optional_int("max_split_size_mb", max_split_size_mb, minimum=21)
     if max_split_size_mb is not None:
-        if isinstance(max_split_size_mb, bool) or not isinstance(max_split_size_mb, int) or max_split_size_mb <= 20:
-            raise ValueError(f"`max_split_size_mb`={max_split_size_mb!r} must be an integer above 20 (MiB)")
         settings["max_split_size_mb"] = str(max_split_size_mb)
     if garbage_collection_threshold is not None:
-        if not 0.0 < float(garbage_collection_threshold) < 1.0:
-            raise ValueError(
-                f"`garbage_collection_threshold`={garbage_collection_threshold!r} must be in (0, 1), e.g. 0.8"
-            )
-        settings["garbage_collection_threshold"] = str(float(garbage_collection_threshold))
+        threshold = check_fraction(
+            "garbage_collection_threshold", garbage_collection_threshold, open_minimum=True, open_maximum=True
+        )
+        settings["garbage_collection_threshold"] = str(threshold)
     return settings
 
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
+from lightning_memopt.arguments import check_bool
 from lightning_memopt.metrics.functional.knn import check_search_options
 from lightning_memopt.metrics.functional.retrieval import metrics_from_sums, retrieval_sums
 from lightning_memopt.metrics.sharded import (
@@ -45,7 +46,9 @@ class KNNRetrieval(Metric):
         backend: ``"torch"``, or ``"faiss"`` (exact flat index, extra ``faiss``).
 
     Raises:
+        TypeError: a ``chunk_size`` / ``max_memory`` that is no number.
         ValueError: for an unknown ``metric`` / ``backend``, a bad ``chunk_size`` / ``max_memory``,
+            an ``embeddings_on_cpu`` neither a bool nor a word such as ``"on"`` / ``"off"``,
             mismatched lengths or float labels in ``update``, ``indices`` given with some updates only,
             or ``compute`` with no usable query (raised on every rank alike).
 
@@ -81,8 +84,9 @@ class KNNRetrieval(Metric):
                 "KNNRetrieval synchronises in compute itself (references gathered, queries kept per rank): "
                 "leave `sync_on_compute` and `dist_sync_on_step` unset"
             )
+        chunk_size, max_memory = check_search_options(metric, backend, chunk_size, max_memory)
+        embeddings_on_cpu = check_bool("embeddings_on_cpu", embeddings_on_cpu)  # "off" is false, never truthiness
         super().__init__(**{**kwargs, "sync_on_compute": False})
-        check_search_options(metric, backend, chunk_size, max_memory)
         self.metric, self.chunk_size, self.max_memory = metric, chunk_size, max_memory
         self.embeddings_on_cpu, self.backend = embeddings_on_cpu, backend
         for prefix in _SETS:

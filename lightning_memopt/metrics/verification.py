@@ -11,7 +11,8 @@ from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from lightning_memopt.metrics.functional.verification import tar_at_far, verification_accuracy
+from lightning_memopt.arguments import check_int
+from lightning_memopt.metrics.functional.verification import check_far, tar_at_far, verification_accuracy
 
 
 class FaceVerification(Metric):
@@ -31,6 +32,7 @@ class FaceVerification(Metric):
 
     Raises:
         ValueError: for ``folds`` < 2, FARs outside (0, 1], mismatched shapes, or compute without pairs.
+        TypeError: ``folds`` or a FAR that is no number, ``far_targets`` that is no list.
 
     Example::
 
@@ -50,13 +52,15 @@ class FaceVerification(Metric):
     indices: list[torch.Tensor]
 
     def __init__(self, folds: int = 10, far_targets: Sequence[float] = (1e-4, 1e-3), **kwargs: Any) -> None:
+        folds = check_int("folds", folds, minimum=2)
+        if isinstance(far_targets, str) or not isinstance(far_targets, Sequence):
+            raise TypeError(
+                f"`far_targets` must be a list of FARs in (0, 1], e.g. [1e-4, 1e-3], got {far_targets!r} "
+                f"({type(far_targets).__name__})"
+            )
+        far_targets = tuple(check_far(far, "far_targets") for far in far_targets)
         super().__init__(**kwargs)
-        if isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
-            raise ValueError(f"`folds`={folds!r} must be an int ≥ 2")
-        for far in far_targets:
-            if not 0 < far <= 1:
-                raise ValueError(f"`far_targets` holds {far!r}; every FAR must be in (0, 1]")
-        self.folds, self.far_targets = folds, tuple(far_targets)
+        self.folds, self.far_targets = folds, far_targets
         self.add_state("scores", default=[], dist_reduce_fx="cat")
         self.add_state("same", default=[], dist_reduce_fx="cat")
         self.add_state("indices", default=[], dist_reduce_fx="cat")

@@ -19,6 +19,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from lightning_memopt.arguments import check_float
 from lightning_memopt.checkpointing.wrap import checkpoint_modules
 from lightning_memopt.memory.work import WorkCounter
 
@@ -122,21 +123,34 @@ def gpu(name: str) -> Hardware:
         >>> gpu("a800_80gb").memory_gib, gpu("v100_32gb").mixed_precision
         (80.0, '16-mixed')
     """
-    try:
-        return GPUS[name]
-    except KeyError:
-        raise ValueError(f"Unknown `gpu`={name!r}; valid names: {', '.join(GPUS)}") from None
+    if not isinstance(name, str) or name not in GPUS:
+        raise ValueError(f"Unknown `gpu`={name!r}; valid names: {', '.join(GPUS)}")
+    return GPUS[name]
 
 
 def with_budget(hardware: Hardware, budget_gib: float) -> Hardware:
     """``hardware`` with its memory replaced by ``budget_gib`` GiB (e.g. what other processes leave free).
 
     Raises:
+        TypeError: a ``hardware`` that is no :class:`Hardware`, or a budget that is no number (``"abc"``).
         ValueError: for a budget that is not positive.
+
+    Example::
+
+        >>> with_budget(gpu("t4_16gb"), 10).memory_gib
+        10.0
+        >>> with_budget(gpu("t4_16gb"), "abc")
+        Traceback (most recent call last):
+        ...
+        TypeError: `budget` must be a number > 0, got 'abc' (str)
     """
-    if not budget_gib > 0:
-        raise ValueError(f"`budget`={budget_gib!r} GiB must be positive")
-    return replace(hardware, memory_bytes=int(budget_gib * _GIB))
+    if not isinstance(hardware, Hardware):
+        raise TypeError(
+            f"`hardware` must be a Hardware (gpu(name), cuda_hardware(device), measure_cpu(bytes)), got "
+            f"{hardware!r} ({type(hardware).__name__})"
+        )
+    budget = check_float("budget", budget_gib, minimum=0, open_minimum=True)
+    return replace(hardware, memory_bytes=int(budget * _GIB))
 
 
 def cuda_hardware(device: torch.device) -> Hardware:

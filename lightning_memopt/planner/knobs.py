@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from lightning_memopt.arguments import check_bool, check_int, check_optional_int
 from lightning_memopt.models.structure import ATTENTION_IMPLS
 from lightning_memopt.planner.sharding import Sharding
 
@@ -31,7 +33,9 @@ class Knobs:
             and run the optimizer step there (``fsdp_memopt`` with ``cpu_offload``, at any ``shards``).
 
     Raises:
-        ValueError: for a value outside the choices above.
+        ValueError: for a value outside the choices above (``every_n``, ``shards`` and
+            ``micro_batch_size`` at least 1; ``cpu_offload`` a bool or a word such as ``"off"``).
+        TypeError: a count that is no integer (``"two"``, ``True``).
 
     Example::
 
@@ -57,15 +61,34 @@ class Knobs:
         if self.attn_impl is not None:
             _check_choice("attn_impl", self.attn_impl, ATTENTION_IMPLS)
         _check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
-        for name in ("every_n", "shards"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}`={value!r} must be a positive int")
-        if not isinstance(self.cpu_offload, bool):
-            raise ValueError(f"`cpu_offload`={self.cpu_offload!r} must be True or False")
-        size = self.micro_batch_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"`micro_batch_size`={size!r} must be a positive int or None")
+        # values as Hydra gives them ("off", 2.0) in their proper types, so equal knobs compare equal
+        object.__setattr__(self, "every_n", check_int("every_n", self.every_n, minimum=1))
+        object.__setattr__(self, "shards", check_int("shards", self.shards, minimum=1))
+        object.__setattr__(self, "cpu_offload", check_bool("cpu_offload", self.cpu_offload))
+        size = check_optional_int("micro_batch_size", self.micro_batch_size, minimum=1)
+        object.__setattr__(self, "micro_batch_size", size)
+
+    @classmethod
+    def from_mapping(cls, values: Any, argument: str = "knobs") -> Knobs:
+        """Knobs from a mapping of their fields (as ``memopt-plan`` prints them, or a Hydra config).
+
+        Raises:
+            TypeError: ``values`` is no mapping.
+            ValueError: an unknown field, listing the fields, or a bad value.
+
+        Example::
+
+            >>> Knobs.from_mapping({"precision": "bf16-mixed", "cpu_offload": "off"}).describe()
+            'bf16-mixed'
+        """
+        if not isinstance(values, Mapping):
+            raise TypeError(
+                f"`{argument}` must be a mapping of {', '.join(FIELDS)}, got {values!r} ({type(values).__name__})"
+            )
+        unknown = [key for key in values if key not in FIELDS]
+        if unknown:
+            raise ValueError(f"Unknown `{argument}` fields {unknown}; valid fields: {', '.join(FIELDS)}")
+        return cls(**values)
 
     def checkpoint_policy(self, blocks: Any = "auto") -> dict[str, Any] | None:
         """The :func:`~lightning_memopt.checkpointing.apply_activation_checkpointing` policy on ``blocks``, or ``None``.
@@ -97,6 +120,9 @@ class Knobs:
     def as_dict(self) -> dict[str, Any]:
         """The knobs as plain values (the ``knobs`` argument of :class:`~lightning_memopt.MemoryBudget`)."""
         return asdict(self)
+
+
+FIELDS = tuple(field.name for field in fields(Knobs))
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

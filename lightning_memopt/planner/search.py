@@ -20,15 +20,16 @@ import torch
 from torch import nn
 
 from lightning_memopt.accumulation.split import batch_size, slice_batch
+from lightning_memopt.arguments import check_bool, check_fraction, check_int, check_optional_bool
 from lightning_memopt.checkpointing import Policy, apply_activation_checkpointing, check_blocks
 from lightning_memopt.memory.profile import LossFn, MemoryProfile, OptimizerSource, profile_step
 from lightning_memopt.memory.tracker import CATEGORIES
 from lightning_memopt.memory.work import Work
-from lightning_memopt.models.structure import model_structure, set_attention
+from lightning_memopt.models.structure import ATTENTION_IMPLS, model_structure, set_attention
 from lightning_memopt.planner.cost import StepCost, step_cost
 from lightning_memopt.planner.estimate import MOMENTS, StepEstimate, checkpointed, from_profile
 from lightning_memopt.planner.hardware import Hardware
-from lightning_memopt.planner.knobs import Knobs
+from lightning_memopt.planner.knobs import PRECISIONS, Knobs
 from lightning_memopt.planner.options import MeasuredOption, ResultChangingOption, measure_options
 from lightning_memopt.planner.report import Plan
 from lightning_memopt.planner.sharding import (
@@ -274,10 +275,30 @@ def plan(
         >>> result.chosen.fits, result.chosen.knobs.checkpoint   # 10 MiB hold the step without checkpointing
         (True, 'none')
     """
-    if not 0 <= safety_margin < 1:
-        raise ValueError(f"`safety_margin`={safety_margin!r} must be in [0, 1)")
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"`devices`={devices!r} must be a positive int")
+    safety_margin = check_safety_margin(safety_margin)
+    devices = check_int("devices", devices, minimum=1)
+    verify = check_int("verify", verify, minimum=0)
+    gather_as_stored = check_bool("gather_as_stored", gather_as_stored)
+    micro_batching = check_optional_bool("micro_batching", micro_batching)
+    progress = check_bool("progress", progress)
+    if not isinstance(hardware, Hardware):
+        raise TypeError(
+            f"`hardware` must be a Hardware (gpu(name), with_budget(...), cuda_hardware(device), measure_cpu(bytes)), "
+            f"got {hardware!r} ({type(hardware).__name__})"
+        )
+    if not isinstance(model, nn.Module) and not callable(model):
+        raise TypeError(f"`model` must be an nn.Module or a function building one, got {type(model).__name__}")
+    for name, function in (("loss_fn", loss_fn), ("optimizer", optimizer)):
+        if function is not None and not callable(function):
+            raise TypeError(f"`{name}` must be a function or None, got {function!r} ({type(function).__name__})")
+    if precisions is not None:
+        precisions = [_check_choice_in("precisions", item, PRECISIONS) for item in _sequence("precisions", precisions)]
+    if attn_impls is not None:
+        choices = (*ATTENTION_IMPLS, None)
+        attn_impls = [_check_choice_in("attn_impls", entry, choices) for entry in _sequence("attn_impls", attn_impls)]
+    for option in _sequence("options", options, empty=True):
+        if not isinstance(option, ResultChangingOption):
+            raise TypeError(f"`options` entry {option!r} must be a ResultChangingOption")
     layouts = _layouts(devices, shards, cpu_offload)
     check_blocks(blocks)
     factory = (lambda: model) if isinstance(model, nn.Module) else model
@@ -545,16 +566,48 @@ def _check_model_states(search: _Search, anchor: MemoryProfile, options: Sequenc
     )
 
 
+def check_safety_margin(safety_margin: Any) -> float:
+    """``safety_margin`` as a float in [0, 1): the fraction of the device's memory a plan keeps free.
+
+    Raises:
+        TypeError: not a number (``"abc"``).
+        ValueError: outside [0, 1).
+
+    Example::
+
+        >>> check_safety_margin(0.1)
+        0.1
+    """
+    return check_fraction("safety_margin", safety_margin, open_maximum=True)
+
+
+def _sequence(name: str, values: Any, empty: bool = False) -> list[Any]:
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence) or not (values or empty):
+        kind = "a sequence" if empty else "a non-empty sequence"
+        raise ValueError(f"`{name}` must be {kind} (a list or tuple), got {values!r} ({type(values).__name__})")
+    return list(values)
+
+
+def _check_choice_in(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    if isinstance(value, bool) or value not in choices:
+        raise ValueError(f"`{name}` entry {value!r} is not one of {list(choices)!r}")
+    return value
+
+
 def _layouts(devices: int, shards: Sequence[int] | None, cpu_offload: Sequence[bool]) -> list[Sharding]:
     """Every (shard degree, offload) considered, unsharded first; validates ``shards`` and ``cpu_offload``."""
     if shards is None:
         shards = sorted({1, devices, *(2**power for power in range(devices.bit_length()) if 2**power < devices)})
-    for degree in shards:
+    for degree in _sequence("shards", shards):
         if isinstance(degree, bool) or not isinstance(degree, int) or not 1 <= degree <= devices:
             raise ValueError(f"`shards` entry {degree!r} must be an int from 1 to `devices`={devices}")
-    if not cpu_offload or any(not isinstance(flag, bool) for flag in cpu_offload):
-        raise ValueError(f"`cpu_offload`={cpu_offload!r} must be a non-empty sequence of True / False")
-    layouts = [Sharding(degree, flag) for degree in shards for flag in cpu_offload]
+    if isinstance(cpu_offload, str | bytes) or not isinstance(cpu_offload, Sequence) or not cpu_offload:
+        raise ValueError(
+            f"`cpu_offload`={cpu_offload!r} must be a non-empty sequence of True / False: (False, True) considers "
+            "both, (False,) never offloads"
+        )
+    flags = [check_bool("cpu_offload", flag) for flag in cpu_offload]
+    layouts = [Sharding(degree, flag) for degree in shards for flag in flags]
     return sorted(set(layouts), key=lambda layout: (layout.active, layout.cpu_offload, layout.shards))
 
 

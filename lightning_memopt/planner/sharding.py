@@ -60,6 +60,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_memopt.arguments import check_bool, check_int
 from lightning_memopt.planner.estimate import STEP_MOMENTS, StepEstimate
 
 # the precisions fsdp_memopt gathers units in half precision under, when the Trainer runs them (Lightning refuses
@@ -75,7 +76,8 @@ class Sharding:
     autocast then copies the weights, as unsharded).
 
     Raises:
-        ValueError: ``shards`` not a positive int, the others not bools.
+        ValueError: ``shards`` below 1, the others neither bools nor words such as ``"on"`` / ``"off"``.
+        TypeError: ``shards`` no integer.
 
     Example::
 
@@ -84,7 +86,7 @@ class Sharding:
         >>> Sharding(0)
         Traceback (most recent call last):
         ...
-        ValueError: `shards`=0 must be a positive int
+        ValueError: `shards` must be an integer ≥ 1, got 0
     """
 
     shards: int = 1
@@ -93,11 +95,9 @@ class Sharding:
     gather_as_stored: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
-            raise ValueError(f"`shards`={self.shards!r} must be a positive int")
+        object.__setattr__(self, "shards", check_int("shards", self.shards, minimum=1))
         for name in ("cpu_offload", "reshard_after_forward", "gather_as_stored"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"`{name}`={getattr(self, name)!r} must be True or False")
+            object.__setattr__(self, name, check_bool(name, getattr(self, name)))
 
     @property
     def active(self) -> bool:

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import LBFGS
 from typing_extensions import override
 
+from lightning_memopt.arguments import check_bool, check_float, check_int
 from lightning_memopt.precision.resolve import AUTOCAST_DTYPES, LADDER, PRECISIONS, step_down, supports_bf16
 
 
@@ -39,6 +40,11 @@ class SwitchablePrecision(Precision):
             not count; a non-finite loss does.
         min_loss_scale: in 16-mixed, step down when the scaler's scale falls below this.
         capability: the CUDA compute capability to assume instead of asking the device.
+
+    Raises:
+        ValueError: an unknown precision, ``patience`` < 1, ``min_loss_scale`` ≤ 0, or a ``fail_safe``
+            neither a bool nor a word such as ``"on"`` / ``"off"``.
+        TypeError: a ``patience`` or ``min_loss_scale`` that is no number.
 
     Example::
 
@@ -58,12 +64,12 @@ class SwitchablePrecision(Precision):
         min_loss_scale: float = 1.0,
         capability: tuple[int, int] | None = None,
     ) -> None:
-        if precision not in PRECISIONS:
+        if not isinstance(precision, str) or precision not in PRECISIONS:
             raise ValueError(f"Unknown `precision`={precision!r}; valid choices: {', '.join(PRECISIONS)}")
         self.device = device
-        self.fail_safe = fail_safe
-        self.patience = patience
-        self.min_loss_scale = min_loss_scale
+        self.fail_safe = check_bool("fail_safe", fail_safe)
+        self.patience = check_int("patience", patience, minimum=1)
+        self.min_loss_scale = check_float("min_loss_scale", min_loss_scale, minimum=0, open_minimum=True)
         self.capability = capability
         self.precision = precision  # type: ignore[assignment]
         self.scaler: torch.amp.GradScaler | None = self._new_scaler() if precision == "16-mixed" else None

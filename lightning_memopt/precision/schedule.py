@@ -27,7 +27,7 @@ def check_interval(interval: str) -> str:
     Raises:
         ValueError: naming ``schedule_interval``, the value and the choices.
     """
-    if interval not in INTERVALS:
+    if not isinstance(interval, str) or interval not in INTERVALS:
         raise ValueError(f"Unknown `schedule_interval`={interval!r}; valid choices: {', '.join(INTERVALS)}")
     return interval
 
@@ -57,6 +57,11 @@ class PrecisionSchedule:
 
     def __init__(self, entries: Mapping[Any, Any] | Sequence[Any], interval: str = "step") -> None:
         self.interval = check_interval(interval)
+        if not isinstance(entries, Mapping) and (isinstance(entries, str) or not isinstance(entries, Sequence)):
+            raise ValueError(
+                f"`schedule` must be {{start: precision}} or a list of [start, precision] pairs and "
+                f"{{start, end, precision}} mappings, got {entries!r} ({type(entries).__name__})"
+            )
         items = list(entries.items()) if isinstance(entries, Mapping) else list(entries)
         if not items:
             raise ValueError("`schedule` is empty; give {start: precision} entries, or None for no schedule")

@@ -12,22 +12,33 @@ from torch.distributed import ProcessGroup
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
+from lightning_memopt.arguments import check_bool, check_int
 from lightning_memopt.strategies.powersgd_state import ResumablePowerSGD
 
 COMM_HOOKS = ("none", "allreduce", "fp16", "bf16", "powersgd")
 
 
-def check_powersgd_options(rank: int, warmup: int, error_feedback: bool) -> None:
-    """Raise ``ValueError`` naming a bad PowerSGD option."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"`powersgd_rank`={rank!r} must be an int ≥ 1 (the rank of the low-rank gradient factors)")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 2:
+def check_powersgd_options(rank: Any, warmup: Any, error_feedback: Any) -> tuple[int, int, bool]:
+    """The PowerSGD options in their proper types; raise naming a bad one.
+
+    Raises:
+        TypeError: a rank or warm-up that is no integer (``"abc"``, ``True``).
+        ValueError: a rank below 1, a warm-up below 2, or ``error_feedback`` neither a bool nor a
+            word such as ``"on"`` / ``"off"``.
+
+    Example::
+
+        >>> check_powersgd_options(2, 100.0, "off")
+        (2, 100, False)
+    """
+    rank = check_int("powersgd_rank", rank, minimum=1)
+    try:
+        warmup = check_int("powersgd_warmup", warmup, minimum=2)
+    except ValueError as error:
         raise ValueError(
-            f"`powersgd_warmup`={warmup!r} must be an int ≥ 2: PowerSGD starts after DDP's first two iterations, "
-            "which run plain all-reduce"
-        )
-    if not isinstance(error_feedback, bool):
-        raise ValueError(f"`error_feedback`={error_feedback!r} must be True or False")
+            f"{error}: PowerSGD starts after DDP's first two iterations, which run plain all-reduce"
+        ) from None
+    return rank, warmup, check_bool("error_feedback", error_feedback)
 
 
 def comm_hook(
@@ -54,10 +65,12 @@ def comm_hook(
         >>> comm_hook("fp16", torch.nn.Linear(2, 2))[1].__name__
         'float16_allreduce_hook'
     """
-    if name not in COMM_HOOKS:
+    if not isinstance(name, str) or name not in COMM_HOOKS:
         raise ValueError(f"Unknown `comm_hook`={name!r}; valid choices: {', '.join(COMM_HOOKS)}")
     if name == "powersgd":
-        check_powersgd_options(powersgd_rank, powersgd_warmup, error_feedback)
+        powersgd_rank, powersgd_warmup, error_feedback = check_powersgd_options(
+            powersgd_rank, powersgd_warmup, error_feedback
+        )
         state = powersgd.PowerSGDState(
             process_group=process_group,
             matrix_approximation_rank=powersgd_rank,

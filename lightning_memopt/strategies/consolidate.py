@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_memopt.arguments import check_path
 
 # Lightning writes the checkpoint's other contents (loops, callbacks, hyper-parameters) beside the shards in this file
 LIGHTNING_METADATA = "meta.pt"
@@ -22,6 +26,38 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
         False
     """
     return Path(path).is_dir() and (Path(path) / DCP_METADATA).is_file()
+
+
+def check_checkpoint(name: str, path: object) -> str:
+    """``path`` as a checkpoint that loads: a whole ``torch.save`` file, or a sharded checkpoint folder.
+
+    Cheap: the archive's directory is read, not its tensors.
+
+    Raises:
+        TypeError: not a path.
+        FileNotFoundError: nothing at ``path``.
+        ValueError: a file that is not a whole ``torch.save`` archive (truncated, or another format),
+            or a folder that is not a sharded checkpoint.
+
+    Example::
+
+        >>> check_checkpoint("ckpt_path", "no/such.ckpt")
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: `ckpt_path`: no checkpoint at 'no/such.ckpt'
+    """
+    path = check_path(name, path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"`{name}`: no checkpoint at {path!r}")
+    if os.path.isdir(path):
+        if not is_sharded_checkpoint(path):
+            raise ValueError(f"`{name}`: the folder {path!r} is not a sharded checkpoint (it has no {DCP_METADATA})")
+    elif not zipfile.is_zipfile(path):
+        raise ValueError(
+            f"`{name}`: {path!r} is not a readable checkpoint (truncated, or not written by torch.save /"
+            " Trainer.save_checkpoint)"
+        )
+    return path
 
 
 def consolidate_checkpoint(folder: str | Path, output: str | Path | None = None) -> dict[str, Any]:

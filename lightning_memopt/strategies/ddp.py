@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_memopt.arguments import check_bool, check_optional_bool
 from lightning_memopt.checkpointing import checkpoint_mode
 from lightning_memopt.strategies.comm_hooks import COMM_HOOKS, check_powersgd_options, comm_hook
 
@@ -38,7 +39,9 @@ class MemoptDDPStrategy(DDPStrategy):
     Registered names: ``ddp_memopt``, ``ddp_powersgd``, ``ddp_fp16_compress``, ``ddp_bf16_compress``.
 
     Raises:
-        MisconfigurationException: for an unknown ``comm_hook`` or a bad PowerSGD option.
+        MisconfigurationException: for an unknown ``comm_hook``, a bad PowerSGD option, or a flag
+            (``error_feedback``, ``static_graph``, ``gradient_as_bucket_view``, ``find_unused_parameters``)
+            that is neither a bool nor a word such as ``"on"`` / ``"off"``.
 
     Example::
 
@@ -57,14 +60,19 @@ class MemoptDDPStrategy(DDPStrategy):
         gradient_as_bucket_view: bool = True,
         **kwargs: Any,
     ) -> None:
-        if comm_hook not in COMM_HOOKS:
-            raise MisconfigurationException(
-                f"Unknown `comm_hook`={comm_hook!r}; valid choices: {', '.join(COMM_HOOKS)}"
-            )
         try:
-            check_powersgd_options(powersgd_rank, powersgd_warmup, error_feedback)
-        except ValueError as error:
-            raise MisconfigurationException(str(error)) from None
+            if not isinstance(comm_hook, str) or comm_hook not in COMM_HOOKS:
+                raise ValueError(f"Unknown `comm_hook`={comm_hook!r}; valid choices: {', '.join(COMM_HOOKS)}")
+            powersgd_rank, powersgd_warmup, error_feedback = check_powersgd_options(
+                powersgd_rank, powersgd_warmup, error_feedback
+            )
+            static_graph = check_optional_bool("static_graph", static_graph)
+            gradient_as_bucket_view = check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
+            for name in ("find_unused_parameters", "broadcast_buffers"):  # DDP's own flags, from the config too
+                if name in kwargs:
+                    kwargs[name] = check_bool(name, kwargs[name])
+        except (TypeError, ValueError) as error:
+            raise MisconfigurationException(f"MemoptDDPStrategy: {error}") from None
         for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
             if kwargs.get(name) is not None:
                 raise MisconfigurationException(

@@ -18,6 +18,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_memopt.arguments import check_bool
+from lightning_memopt.checkpointing.policy import check_blocks
 from lightning_memopt.selection import ModuleSpec
 from lightning_memopt.strategies.sharding import ShardingError, shard_model
 
@@ -90,8 +92,9 @@ class MemoptFSDPStrategy(ModelParallelStrategy):
         process_group_backend / timeout: as for Lightning's strategies (``gloo`` on the CPU, ``nccl`` on CUDA).
 
     Raises:
-        MisconfigurationException: a bad argument (in ``__init__``); blocks matching nothing or
-            parameters no unit can gather (in ``setup``).
+        MisconfigurationException: a bad argument (in ``__init__``: the flags take a bool or a word such
+            as ``"on"`` / ``"off"``, anything else is refused); blocks matching nothing or parameters no
+            unit can gather (in ``setup``).
 
     Example::
 
@@ -110,13 +113,25 @@ class MemoptFSDPStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        for name, value in (("cpu_offload", cpu_offload), ("reshard_after_forward", reshard_after_forward)):
-            if not isinstance(value, bool):
-                raise MisconfigurationException(f"MemoptFSDPStrategy: `{name}`={value!r} must be True or False")
-        if param_dtype not in PARAM_DTYPES:
-            raise MisconfigurationException(
-                f"MemoptFSDPStrategy: unknown `param_dtype`={param_dtype!r}; valid choices: {', '.join(PARAM_DTYPES)}"
-            )
+        try:
+            cpu_offload = check_bool("cpu_offload", cpu_offload)  # "off" is false, never truthiness
+            reshard_after_forward = check_bool("reshard_after_forward", reshard_after_forward)
+            save_distributed_checkpoint = check_bool("save_distributed_checkpoint", save_distributed_checkpoint)
+            if not isinstance(param_dtype, str) or param_dtype not in PARAM_DTYPES:
+                raise ValueError(f"unknown `param_dtype`={param_dtype!r}; valid choices: {', '.join(PARAM_DTYPES)}")
+            check_blocks(blocks)  # whether they match the model is checked in setup
+            backend = process_group_backend
+            if backend is not None and (not isinstance(backend, str) or not backend):
+                raise TypeError(
+                    f"`process_group_backend` must be a backend name ('gloo', 'nccl') or None, got {backend!r} "
+                    f"({type(backend).__name__})"
+                )
+            if timeout is not None and not isinstance(timeout, timedelta):
+                raise TypeError(
+                    f"`timeout` must be a datetime.timedelta or None, got {timeout!r} ({type(timeout).__name__})"
+                )
+        except (TypeError, ValueError) as error:
+            raise MisconfigurationException(f"MemoptFSDPStrategy: {error}") from None
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,

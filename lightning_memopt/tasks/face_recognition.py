@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from typing_extensions import override
 
+from lightning_memopt.arguments import check_bool, check_float, check_int, check_optional_int
 from lightning_memopt.losses import (
     CombinedMarginLoss,
     PartialFC,
@@ -25,7 +26,14 @@ from lightning_memopt.metrics import FaceVerification, KNNRetrieval
 from lightning_memopt.metrics.sharded import communication_device, is_distributed, max_over_ranks
 from lightning_memopt.models import create_model
 from lightning_memopt.models.official import apply_pretrained
-from lightning_memopt.tasks.lr_schedule import clip_sharded_root, step_scheduler, warmup_decay
+from lightning_memopt.tasks.checks import (
+    check_backbone,
+    check_betas,
+    check_optimisation,
+    check_options,
+    check_pretrained,
+)
+from lightning_memopt.tasks.lr_schedule import clip_sharded_root, step_scheduler
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -83,8 +91,13 @@ class FaceRecognitionModule(LightningModule):
         em_iterations: EM steps of that fit.
 
     Raises:
-        ValueError: for an unknown ``optimizer``, a bad loss argument (``topo_weight`` < 0,
-            ``topo_input_size`` < 1, an unknown ``topo_variant``, ``em_iterations`` < 1) or a bad metric option.
+        ValueError: for an unknown ``optimizer`` or ``schedule``, a number out of range (``lr`` ≤ 0,
+            ``warmup_steps`` < 0, ``topo_weight`` < 0, ``topo_input_size`` < 1, ``em_iterations`` < 1, …),
+            an unknown ``topo_variant``, a bad metric option, or a flag (``clip_backbone_only``,
+            ``hard_sample_weighting``, ``pretrained_weights_only``) neither a bool nor a word such as
+            ``"on"`` / ``"off"``.
+        TypeError: a number that is no number (``lr="abc"``, ``warmup_steps=True``), options that are no mapping.
+        FileNotFoundError: a ``pretrained`` / ``pretrained_backbone`` file that does not exist.
 
     Example::
 
@@ -123,13 +136,32 @@ class FaceRecognitionModule(LightningModule):
         em_iterations: int = 10,
     ) -> None:
         super().__init__()
-        if optimizer not in OPTIMIZERS:
+        # Checked and put in their proper types ("off" → False) before save_hyperparameters records them.
+        num_classes = check_int("num_classes", num_classes, minimum=1)
+        backbone = check_backbone(backbone)
+        backbone_options = check_options("backbone_options", backbone_options)
+        pretrained, pretrained_backbone, pretrained_weights_only = check_pretrained(
+            pretrained, pretrained_backbone, pretrained_weights_only
+        )
+        scale = check_float("scale", scale, minimum=0, open_minimum=True)
+        sample_rate = check_float("sample_rate", sample_rate)  # its range (0, 1] is PartialFC's check
+        if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
             raise ValueError(f"Unknown `optimizer`={optimizer!r}; valid choices: {', '.join(OPTIMIZERS)}")
-        warmup_decay(total_steps=warmup_steps + 1, warmup_steps=warmup_steps, schedule=schedule, power=power)
-        _check_topology_options(topo_weight, topo_variant, topo_input_size, em_iterations)
+        lr, weight_decay, warmup_steps, schedule, power = check_optimisation(
+            lr, weight_decay, warmup_steps, schedule, power
+        )
+        momentum = check_float("momentum", momentum, minimum=0)
+        betas = check_betas(betas)
+        clip_backbone_only = check_bool("clip_backbone_only", clip_backbone_only)
+        retrieval_options = check_options("retrieval_options", retrieval_options)
+        verification_options = check_options("verification_options", verification_options)
+        topo_weight, topo_input_size, em_iterations = _check_topology_options(
+            topo_weight, topo_variant, topo_input_size, em_iterations
+        )
+        hard_sample_weighting = check_bool("hard_sample_weighting", hard_sample_weighting)
         # The files are where the run started, not part of the model: a checkpoint restores without them.
         self.save_hyperparameters(ignore=["pretrained", "pretrained_backbone", "pretrained_weights_only"])
-        self.backbone = create_model(backbone, **dict(backbone_options or {}))
+        self.backbone = create_model(backbone, **backbone_options)
         apply_pretrained(self.backbone, pretrained, pretrained_backbone, pretrained_weights_only)
         self.head = PartialFC(
             num_classes=num_classes,
@@ -138,8 +170,8 @@ class FaceRecognitionModule(LightningModule):
             margin_loss=CombinedMarginLoss(margin_list, scale),
         )
         # exact, chunked kNN (each rank keeps its validation shard); 10-fold accuracy, TAR at FAR 1e-4 and 1e-3
-        self.val_retrieval = KNNRetrieval(**dict(retrieval_options or {}))
-        self.val_verification = FaceVerification(**dict(verification_options or {}))
+        self.val_retrieval = KNNRetrieval(**retrieval_options)
+        self.val_verification = FaceVerification(**verification_options)
         self.topology = TopologicalAlignmentLoss(topo_variant) if topo_weight > 0 else None
         # read by AdaptiveAccumulation: micro-batches would change this loss, not just its memory
         self.batch_coupled_loss = (
@@ -266,12 +298,11 @@ class FaceRecognitionModule(LightningModule):
             torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)
 
 
-def _check_topology_options(topo_weight: float, variant: str, topo_input_size: int | None, em_iterations: int) -> None:
-    if variant not in VARIANTS:
+def _check_topology_options(
+    topo_weight: Any, variant: Any, topo_input_size: Any, em_iterations: Any
+) -> tuple[float, int | None, int]:
+    if not isinstance(variant, str) or variant not in VARIANTS:
         raise ValueError(f"Unknown `topo_variant`={variant!r}; valid choices: {', '.join(VARIANTS)}")
-    if topo_weight < 0:
-        raise ValueError(f"`topo_weight`={topo_weight!r} must be ≥ 0 (0 leaves the topological loss out)")
-    if topo_input_size is not None and (not isinstance(topo_input_size, int) or topo_input_size < 1):
-        raise ValueError(f"`topo_input_size`={topo_input_size!r} must be None (the full images) or an int ≥ 1")
-    if isinstance(em_iterations, bool) or not isinstance(em_iterations, int) or em_iterations < 1:
-        raise ValueError(f"`em_iterations`={em_iterations!r} must be an int ≥ 1")
+    topo_weight = check_float("topo_weight", topo_weight, minimum=0)  # 0 leaves the topological loss out
+    topo_input_size = check_optional_int("topo_input_size", topo_input_size, minimum=1)  # None: the full images
+    return topo_weight, topo_input_size, check_int("em_iterations", em_iterations, minimum=1)

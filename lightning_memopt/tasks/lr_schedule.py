@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.types import LRSchedulerConfigType
 
+from lightning_memopt.arguments import check_float, check_int
+
 SCHEDULES = ("polynomial", "cosine", "constant")
 
 
@@ -21,7 +23,8 @@ def warmup_decay(
     ``total_steps`` as ``(1 − progress)^power`` (polynomial) or ``½(1 + cos(π·progress))`` (cosine).
 
     Raises:
-        ValueError: for an unknown ``schedule`` or ``warmup_steps`` outside ``[0, total_steps)``.
+        ValueError: for an unknown ``schedule``, ``warmup_steps`` outside ``[0, total_steps)`` or a ``power`` ≤ 0.
+        TypeError: a step count or ``power`` that is no number.
 
     Example::
 
@@ -29,10 +32,13 @@ def warmup_decay(
         >>> [round(factor(s), 3) for s in (0, 1, 2, 6, 10)]
         [0.5, 1.0, 1.0, 0.5, 0.0]
     """
-    if schedule not in SCHEDULES:
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
         raise ValueError(f"Unknown `schedule`={schedule!r}; valid choices: {', '.join(SCHEDULES)}")
+    total_steps = check_int("total_steps", total_steps, minimum=0)
+    warmup_steps = check_int("warmup_steps", warmup_steps)
     if not 0 <= warmup_steps < max(total_steps, 1):
         raise ValueError(f"`warmup_steps`={warmup_steps!r} must be in [0, total_steps={total_steps})")
+    power = check_float("power", power, minimum=0, open_minimum=True)
 
     def factor(step: int) -> float:
         if step < warmup_steps:

@@ -18,9 +18,17 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_memopt.arguments import check_float
 from lightning_memopt.models import VisionTransformer, create_model
 from lightning_memopt.models.official import apply_pretrained
-from lightning_memopt.tasks.lr_schedule import clip_sharded_root, step_scheduler, warmup_decay
+from lightning_memopt.tasks.checks import (
+    check_backbone,
+    check_betas,
+    check_optimisation,
+    check_options,
+    check_pretrained,
+)
+from lightning_memopt.tasks.lr_schedule import clip_sharded_root, step_scheduler
 
 ANGLE_THRESHOLDS = (11.25, 22.5, 30.0)
 # Path components that wrappers (FSDP, activation checkpointing, torch.compile) insert in parameter names.
@@ -105,6 +113,7 @@ class AngularError(Metric):
 
     Raises:
         ValueError: for a ``bin_width`` outside (0, 180] or a non-positive threshold.
+        TypeError: a ``bin_width`` or threshold that is no number, ``thresholds`` that is no list.
 
     Example::
 
@@ -126,12 +135,12 @@ class AngularError(Metric):
     histogram: Tensor
 
     def __init__(self, thresholds: Sequence[float] = ANGLE_THRESHOLDS, bin_width: float = 0.01, **kwargs: Any) -> None:
+        bin_width = check_float("bin_width", bin_width, minimum=0, open_minimum=True, maximum=180)  # degrees
+        if isinstance(thresholds, str) or not isinstance(thresholds, Sequence) or not thresholds:
+            raise TypeError(f"`thresholds` must be a non-empty list of angles in degrees, got {thresholds!r}")
+        thresholds = tuple(check_float("thresholds", t, minimum=0, open_minimum=True) for t in thresholds)
         super().__init__(**kwargs)
-        if not 0.0 < bin_width <= 180.0:
-            raise ValueError(f"`bin_width`={bin_width!r} must be in (0, 180] degrees")
-        if not thresholds or min(thresholds) <= 0:
-            raise ValueError(f"`thresholds`={list(thresholds)!r} must be positive angles in degrees")
-        self.thresholds = tuple(float(t) for t in thresholds)
+        self.thresholds = thresholds
         self.bin_width = bin_width
         self.num_bins = math.ceil(180.0 / bin_width)
         self.add_state("angle_sum", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
@@ -242,7 +251,10 @@ class NormalEstimationModule(LightningModule):
         l1_weight: weight of the L1 loss.
 
     Raises:
-        ValueError: for a preset without a ViT backbone, or an argument out of range.
+        ValueError: for a preset without a ViT backbone, an argument out of range, an unknown
+            ``schedule``, or ``pretrained_weights_only`` neither a bool nor a word such as ``"on"`` / ``"off"``.
+        TypeError: a number that is no number (``lr="abc"``), options that are no mapping.
+        FileNotFoundError: a ``pretrained`` / ``pretrained_backbone`` file that does not exist.
 
     Example::
 
@@ -271,18 +283,24 @@ class NormalEstimationModule(LightningModule):
         l1_weight: float = 1.0,
     ) -> None:
         super().__init__()
-        if not lr > 0:
-            raise ValueError(f"`lr`={lr!r} must be positive")
-        if not 0.0 < layer_decay <= 1.0:
-            raise ValueError(f"`layer_decay`={layer_decay!r} must be in (0, 1]")
-        if min(cosine_weight, l1_weight) < 0 or cosine_weight + l1_weight == 0:
-            raise ValueError(
-                f"`cosine_weight`={cosine_weight!r} and `l1_weight`={l1_weight!r} must be non-negative, not both 0"
-            )
-        warmup_decay(total_steps=warmup_steps + 1, warmup_steps=warmup_steps, schedule=schedule, power=power)
+        # Checked and put in their proper types before save_hyperparameters records them.
+        backbone = check_backbone(backbone)
+        backbone_options = check_options("backbone_options", backbone_options)
+        pretrained, pretrained_backbone, pretrained_weights_only = check_pretrained(
+            pretrained, pretrained_backbone, pretrained_weights_only
+        )
+        lr, weight_decay, warmup_steps, schedule, power = check_optimisation(
+            lr, weight_decay, warmup_steps, schedule, power
+        )
+        betas = check_betas(betas)
+        layer_decay = check_float("layer_decay", layer_decay, minimum=0, open_minimum=True, maximum=1)
+        cosine_weight = check_float("cosine_weight", cosine_weight, minimum=0)
+        l1_weight = check_float("l1_weight", l1_weight, minimum=0)
+        if cosine_weight + l1_weight == 0:
+            raise ValueError("`cosine_weight` and `l1_weight` are both 0: the loss would be 0; give one a weight > 0")
         # The files are where the run started, not part of the model: a checkpoint restores without them.
         self.save_hyperparameters(ignore=["pretrained", "pretrained_backbone", "pretrained_weights_only"])
-        self.network = create_model(backbone, **dict(backbone_options or {}))
+        self.network = create_model(backbone, **backbone_options)
         apply_pretrained(self.network, pretrained, pretrained_backbone, pretrained_weights_only)
         if not isinstance(getattr(self.network, "backbone", None), VisionTransformer):
             raise ValueError(

@@ -17,9 +17,17 @@ from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_memopt.arguments import check_float
 from lightning_memopt.models import TrackerOutput, create_model
 from lightning_memopt.models.official import apply_pretrained
-from lightning_memopt.tasks.lr_schedule import step_scheduler, warmup_decay
+from lightning_memopt.tasks.checks import (
+    check_backbone,
+    check_betas,
+    check_optimisation,
+    check_options,
+    check_pretrained,
+)
+from lightning_memopt.tasks.lr_schedule import step_scheduler
 
 DELTA_THRESHOLDS = (1.0, 2.0, 4.0, 8.0, 16.0)  # pixels, at a 256 × 256 scale as in TAP-Vid
 METRIC_RESOLUTION = 256.0
@@ -191,7 +199,10 @@ class TrackingModule(LightningModule):
         power: exponent of the polynomial decay.
 
     Raises:
-        ValueError: for an argument out of range or an unknown preset or schedule.
+        ValueError: for an argument out of range, an unknown preset or schedule, or
+            ``pretrained_weights_only`` neither a bool nor a word such as ``"on"`` / ``"off"``.
+        TypeError: a number that is no number (``gamma="abc"``), options that are no mapping.
+        FileNotFoundError: a ``pretrained`` / ``pretrained_backbone`` file that does not exist.
 
     Example::
 
@@ -223,19 +234,24 @@ class TrackingModule(LightningModule):
         power: float = 2.0,
     ) -> None:
         super().__init__()
-        if not 0.0 < gamma <= 1.0:
-            raise ValueError(f"`gamma`={gamma!r} must be in (0, 1]")
-        positive = {"huber_delta": huber_delta, "confidence_threshold": confidence_threshold, "lr": lr}
-        for name, value in positive.items():
-            if not value > 0:
-                raise ValueError(f"`{name}`={value!r} must be positive")
-        for name, value in {"visibility_weight": visibility_weight, "confidence_weight": confidence_weight}.items():
-            if value < 0:
-                raise ValueError(f"`{name}`={value!r} must be at least 0")
-        warmup_decay(total_steps=warmup_steps + 1, warmup_steps=warmup_steps, schedule=schedule, power=power)
+        # Checked and put in their proper types before save_hyperparameters records them.
+        backbone = check_backbone(backbone)
+        backbone_options = check_options("backbone_options", backbone_options)
+        pretrained, pretrained_backbone, pretrained_weights_only = check_pretrained(
+            pretrained, pretrained_backbone, pretrained_weights_only
+        )
+        gamma = check_float("gamma", gamma, minimum=0, open_minimum=True, maximum=1)
+        huber_delta = check_float("huber_delta", huber_delta, minimum=0, open_minimum=True)  # pixels
+        confidence_threshold = check_float("confidence_threshold", confidence_threshold, minimum=0, open_minimum=True)
+        visibility_weight = check_float("visibility_weight", visibility_weight, minimum=0)
+        confidence_weight = check_float("confidence_weight", confidence_weight, minimum=0)
+        lr, weight_decay, warmup_steps, schedule, power = check_optimisation(
+            lr, weight_decay, warmup_steps, schedule, power
+        )
+        betas = check_betas(betas)
         # The files are where the run started, not part of the model: a checkpoint restores without them.
         self.save_hyperparameters(ignore=["pretrained", "pretrained_backbone", "pretrained_weights_only"])
-        self.backbone = create_model(backbone, **dict(backbone_options or {}))
+        self.backbone = create_model(backbone, **backbone_options)
         apply_pretrained(self.backbone, pretrained, pretrained_backbone, pretrained_weights_only)
 
     @override

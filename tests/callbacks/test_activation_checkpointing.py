@@ -1,3 +1,5 @@
+import re
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -73,9 +75,21 @@ def test_composed_policy_from_the_callback():
     assert module.modes_seen[0] == ["full", "offload"]
 
 
-def test_bad_policy_is_refused_when_the_callback_is_made():
-    with pytest.raises(MisconfigurationException, match=r"bad `policy`=\{'mode': 'fast'\}: Unknown `mode`='fast'"):
-        ActivationCheckpointing({"mode": "fast"})
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ({"mode": "fast"}, r"Unknown `mode`='fast'; valid choices: full, selective"),
+        ({"every_n": "two"}, r"`every_n` must be an integer ≥ 1, 'sqrt' or None, got 'two' \(str\)"),
+        ({"every_n": -1}, r"`every_n` must be an integer ≥ 1, 'sqrt' or None, got -1 \(int\)"),
+        ({"every_n": True}, r"`every_n` must be an integer ≥ 1, 'sqrt' or None, got True \(bool\)"),
+        ({"modules": 3}, r"`modules` must be module classes, dotted class paths or name globs, got 3 \(int\)"),
+        (3, r"`policy`=3 must be a Policy, a string"),
+    ],
+)
+def test_bad_policy_is_refused_when_the_callback_is_made(policy, message):
+    shown = re.escape(repr(policy))  # the whole policy, then what is wrong in it
+    with pytest.raises(MisconfigurationException, match=f"^ActivationCheckpointing: bad `policy`={shown}: {message}"):
+        ActivationCheckpointing(policy)
 
 
 def test_a_policy_matching_nothing_fails_the_fit_listing_what_is_there():
@@ -115,3 +129,12 @@ def test_non_module_spec_is_refused():
     with pytest.raises(MisconfigurationException, match="is not an nn.Module subclass"):
         ActivationCheckpointing({"modules": [dict]})
     assert isinstance(ActivationCheckpointing(nn.Linear).policies[0].modules[0], type)
+
+
+def test_after_configure_model_refuses_what_it_cannot_run():
+    from lightning_memopt.callbacks.model_setup import after_configure_model
+
+    with pytest.raises(TypeError, match=r"`pl_module` must be a LightningModule, got Linear"):
+        after_configure_model(nn.Linear(2, 2), lambda: None)
+    with pytest.raises(TypeError, match=r"`action` must be a function of no arguments, got 'wrap' \(str\)"):
+        after_configure_model(TinyViTModule(), "wrap")

@@ -327,15 +327,28 @@ def test_teardown_puts_the_steps_back():
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        ({"shrink": "third"}, "`shrink`='third' must be 'halve' or a function"),
+        ({"shrink": "third"}, r"`shrink` must be 'halve' or a function size -> smaller size, got 'third' \(str\)"),
         ({"loss_reduction": "max"}, "Unknown `loss_reduction`='max'; valid choices: mean, sum"),
-        ({"micro_batch_size": 0}, "`micro_batch_size`=0 must be an int ≥ 1"),
+        ({"micro_batch_size": 0}, "`micro_batch_size` must be an integer ≥ 1, got 0"),
+        ({"micro_batch_size": "abc"}, r"`micro_batch_size` must be an integer ≥ 1, got 'abc' \(str\)"),
+        ({"micro_batch_size": True}, r"`micro_batch_size` must be an integer ≥ 1, got True \(bool\)"),
+        ({"micro_batch_size": 2.5}, r"`micro_batch_size` must be an integer ≥ 1, got 2.5 \(float\)"),
+        ({"grow_after": -10}, "`grow_after` must be an integer ≥ 1, got -10"),
+        ({"grow_after": "often"}, r"`grow_after` must be an integer ≥ 1, got 'often' \(str\)"),
+        ({"thrash_steps": 0}, "`thrash_steps` must be an integer ≥ 1, got 0"),
+        ({"evaluation": "maybe"}, r"`evaluation` must be true or false, got 'maybe' \(str\)"),
         ({"accumulate_schedule": {0: 0}}, r"`accumulate_schedule`\[0\]=0 must be an int ≥ 1"),
     ],
 )
 def test_bad_arguments(arguments, message):
-    with pytest.raises(MisconfigurationException, match=message):
+    with pytest.raises(MisconfigurationException, match="^AdaptiveAccumulation: " + message):
         AdaptiveAccumulation(**arguments)
+
+
+def test_words_and_whole_floats_are_read_in_their_types():
+    callback = AdaptiveAccumulation(micro_batch_size=8.0, thrash_steps=None, evaluation="off")
+    assert (callback.sizer.size, callback.evaluation) == (8, False)
+    assert isinstance(callback.sizer.size, int) and AdaptiveAccumulation(evaluation="yes").evaluation is True
 
 
 def test_schedule_and_trainer_accumulation_conflict():

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -80,17 +81,30 @@ def test_nothing_fitting_is_an_error_with_the_table(tmp_path):
     ("arguments", "message"),
     [
         ({"gpu": "a6000"}, "Unknown `gpu`='a6000'; valid names: v100_16gb"),
-        ({"budget": -1}, "`budget`=-1 GiB must be positive"),
-        ({"safety_margin": 1.0}, "`safety_margin`=1.0 must be in"),
+        ({"gpu": 3090}, "Unknown `gpu`=3090; valid names: v100_16gb"),
+        ({"budget": -1}, "`budget` must be a number > 0, got -1"),
+        ({"budget": "abc"}, "`budget` must be a number > 0, got 'abc' (str)"),
+        ({"budget": True}, "`budget` must be a number > 0, got True (bool)"),
+        ({"safety_margin": 1.0}, "`safety_margin` must be a number ≥ 0 and < 1, got 1.0"),
+        ({"safety_margin": "tenth"}, "`safety_margin` must be a number ≥ 0 and < 1, got 'tenth' (str)"),
+        ({"verify": -1}, "`verify` must be an integer ≥ 0, got -1"),
         ({"knobs": {"precision": "fp8"}}, "Unknown `precision`='fp8'"),
-        ({"knobs": {"layers": 2}}, "unexpected keyword argument 'layers'"),
+        ({"knobs": {"layers": 2}}, "Unknown `knobs` fields ['layers']; valid fields: precision, attn_impl"),
+        ({"knobs": "bf16-mixed"}, "`knobs` must be a mapping of precision, attn_impl, checkpoint"),
+        ({"knobs": {"every_n": "2x"}}, "`every_n` must be an integer ≥ 1, got '2x' (str)"),
+        ({"knobs": {"cpu_offload": "maybe"}}, "`cpu_offload` must be true or false, got 'maybe' (str)"),
         ({"blocks": 12}, "`blocks`=12 must be 'auto'"),
         ({"blocks": ["layers.*", 3]}, "`blocks` entry 3 must be a module class, a dotted class path or a name glob"),
     ],
 )
 def test_bad_arguments_are_named(arguments, message):
-    with pytest.raises(MisconfigurationException, match=message.replace("(", r"\(")):
+    with pytest.raises(MisconfigurationException, match="^MemoryBudget: " + re.escape(message)):
         MemoryBudget(**arguments)
+
+
+def test_knobs_from_a_config_are_read_in_their_types():
+    knobs = MemoryBudget(knobs={"precision": "32-true", "every_n": 2.0, "cpu_offload": "off"}).knobs
+    assert knobs == Knobs("32-true", every_n=2, cpu_offload=False) and knobs.cpu_offload is False
 
 
 def test_the_printed_command_composes_to_the_same_knobs():

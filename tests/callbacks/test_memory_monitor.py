@@ -76,13 +76,24 @@ def test_other_errors_write_nothing(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"every_n_steps": 0}, r"`every_n_steps`=0 must be at least 1"),
-        ({"prometheus_port": 70000}, r"`prometheus_port`=70000 must be in 1–65535"),
+        ({"every_n_steps": 0}, r"`every_n_steps` must be an integer ≥ 1, got 0"),
+        ({"every_n_steps": -5}, r"`every_n_steps` must be an integer ≥ 1, got -5"),
+        ({"every_n_steps": "ten"}, r"`every_n_steps` must be an integer ≥ 1, got 'ten' \(str\)"),
+        ({"every_n_steps": True}, r"`every_n_steps` must be an integer ≥ 1, got True \(bool\)"),
+        ({"prometheus_port": 70000}, r"`prometheus_port` must be an integer ≥ 1 and ≤ 65535, got 70000"),
+        ({"prometheus_port": "http"}, r"`prometheus_port` must be an integer ≥ 1 and ≤ 65535, got 'http' \(str\)"),
+        ({"record_cuda_history": "maybe"}, r"`record_cuda_history` must be true or false, got 'maybe' \(str\)"),
+        ({"report_dir": 3}, r"`report_dir` must be a path, got 3 \(int\)"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
-    with pytest.raises(MisconfigurationException, match=message):
+    with pytest.raises(MisconfigurationException, match="^MemoryMonitor: " + message):
         MemoryMonitor(**kwargs)
+
+
+def test_record_cuda_history_reads_words():
+    assert MemoryMonitor(record_cuda_history="off").record_cuda_history is False
+    assert MemoryMonitor(record_cuda_history="on").record_cuda_history is True
 
 
 def test_prometheus_gauges_are_served(tmp_path):

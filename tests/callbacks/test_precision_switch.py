@@ -260,14 +260,50 @@ def test_resuming_under_another_schedule_warns(tmp_path):
         ({"schedule": {500: "bf16-mixed", 0: "32-true"}}, r"`schedule` is not sorted"),
         ({"schedule": [[0, "32-true"], [0, "bf16-mixed"]]}, r"`schedule` entries overlap"),
         ({"schedule_interval": "batch"}, r"Unknown `schedule_interval`='batch'; valid choices: step, epoch"),
-        ({"patience": 0}, r"`patience`=0 must be an int ≥ 1"),
-        ({"min_loss_scale": 0}, r"`min_loss_scale`=0 must be > 0"),
+        ({"patience": 0}, r"`patience` must be an integer ≥ 1, got 0"),
+        ({"patience": -2}, r"`patience` must be an integer ≥ 1, got -2"),
+        ({"patience": "3"}, r"`patience` must be an integer ≥ 1, got '3' \(str\)"),
+        ({"patience": True}, r"`patience` must be an integer ≥ 1, got True \(bool\)"),
+        ({"min_loss_scale": 0}, r"`min_loss_scale` must be a number > 0, got 0"),
+        ({"min_loss_scale": "abc"}, r"`min_loss_scale` must be a number > 0, got 'abc' \(str\)"),
+        ({"fail_safe": "maybe"}, r"`fail_safe` must be true, false or null, got 'maybe' \(str\)"),
+        ({"fail_safe": 2}, r"`fail_safe` must be true, false or null, got 2 \(int\)"),
+        ({"schedule": 5}, r"`schedule` must be \{start: precision\} or a list .*, got 5 \(int\)"),
         ({"fp32_modules": []}, r"`fp32_modules` is empty"),
+        ({"fp32_modules": True}, r"`fp32_modules` must be module classes, dotted class paths or name globs, got True"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_choices(kwargs, message):
-    with pytest.raises(MisconfigurationException, match=message):
+    with pytest.raises(MisconfigurationException, match="^PrecisionSwitch: " + message):
         PrecisionSwitch(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("precision", "fail_safe", "expected"),
+    [
+        ("auto", "off", False),  # Hydra's `fail_safe=off` is the string "off": off, not bool("off")
+        ("auto", "no", False),
+        ("auto", "False", False),
+        ("auto", "0", False),
+        ("auto", 0, False),
+        ("32-true", "on", True),
+        ("32-true", "yes", True),
+        ("32-true", "TRUE", True),
+        ("32-true", "1", True),
+        ("auto", "null", True),  # unset: on for auto
+        ("32-true", None, False),  # unset: off for an explicit precision
+    ],
+)
+def test_fail_safe_words_are_read_strictly(precision, fail_safe, expected):
+    assert PrecisionSwitch(precision, fail_safe=fail_safe).fail_safe is expected
+
+
+def test_the_plugin_checks_its_own_arguments():
+    assert SwitchablePrecision(fail_safe="off").fail_safe is False
+    with pytest.raises(ValueError, match=r"`fail_safe` must be true or false, got 'maybe' \(str\)"):
+        SwitchablePrecision(fail_safe="maybe")
+    with pytest.raises(TypeError, match=r"`patience` must be an integer ≥ 1, got '3' \(str\)"):
+        SwitchablePrecision(patience="3")
 
 
 def test_a_trainer_with_its_own_precision_is_refused():
@@ -297,6 +333,15 @@ def test_the_hydra_configs_compose_into_one_callback(compose_train):
     switch = instantiate(cfg.memopt.callbacks.precision_switch)
     assert (switch.precision, switch.fail_safe, switch.fp32_modules) == ("auto", True, "preset")
     assert cfg.trainer.precision == "32-true"
+
+
+@pytest.mark.parametrize(("word", "expected"), [("off", False), ("no", False), ("on", True), ("true", True)])
+def test_fail_safe_from_the_command_line_is_a_word_not_a_truth_value(compose_train, word, expected):
+    cfg = compose_train("memopt=precision", f"memopt.callbacks.precision_switch.fail_safe={word}")
+    assert instantiate(cfg.memopt.callbacks.precision_switch).fail_safe is expected
+    refused = compose_train("memopt=precision", "memopt.callbacks.precision_switch.patience=abc")
+    with pytest.raises(Exception, match=r"PrecisionSwitch: `patience` must be an integer ≥ 1, got 'abc' \(str\)"):
+        instantiate(refused.memopt.callbacks.precision_switch)
 
 
 def test_ddp_ranks_skip_and_switch_together(tmp_path):

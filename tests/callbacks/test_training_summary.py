@@ -1,4 +1,5 @@
 import csv
+import multiprocessing
 import sys
 
 import pytest
@@ -63,11 +64,58 @@ def test_each_fit_appends_a_row_to_the_csv(tmp_path):
     assert int(rows[0]["peak_memory_bytes"]) > 0 and float(rows[1]["samples_per_second"]) > 0
 
 
-def test_a_csv_with_other_columns_is_refused(tmp_path):
+def test_a_csv_with_other_columns_is_refused_naming_the_file_and_both_column_lists(tmp_path):
     path = tmp_path / "grid.csv"
     path.write_text("label,loss\nx,1\n")
-    with pytest.raises(ValueError, match="has the columns \\['label', 'loss'\\]"):
+    message = (
+        r"cannot append to '.*grid\.csv': it has the columns \['label', 'loss'\],"
+        r" but the row has the columns \['label', 'steps'\]"
+    )
+    with pytest.raises(ValueError, match=message):
         append_row(path, {"label": "y", "steps": 1})
+    assert path.read_text() == "label,loss\nx,1\n"  # untouched
+
+
+def test_an_empty_file_gets_the_header_and_a_header_only_file_gets_rows(tmp_path):
+    empty = tmp_path / "empty.csv"
+    empty.touch()
+    append_row(empty, {"label": "a", "steps": 1})
+    header_only = tmp_path / "header.csv"
+    header_only.write_text("label,steps\r\n")
+    append_row(header_only, {"label": "a", "steps": 1})
+    for path in (empty, header_only):
+        with path.open(newline="") as handle:
+            assert list(csv.reader(handle)) == [["label", "steps"], ["a", "1"]]
+
+
+_WRITERS = 8
+
+
+def _append_at_the_barrier(barrier, path, index):
+    barrier.wait()
+    append_row(path, {"label": f"job {index}", "steps": index, "final_loss": index / 8, "note": 'a, "quoted" cell'})
+
+
+def test_concurrent_processes_keep_every_row_and_write_one_header(tmp_path):
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    header = ["label", "steps", "final_loss", "note"]
+    expected = sorted([f"job {i}", str(i), str(i / 8), 'a, "quoted" cell'] for i in range(_WRITERS))
+    for trial in range(10):
+        path = tmp_path / "sweep" / f"trial{trial}.csv"  # the folder does not exist yet: the writers race for it too
+        barrier = context.Barrier(_WRITERS)
+        writers = [
+            context.Process(target=_append_at_the_barrier, args=(barrier, str(path), i)) for i in range(_WRITERS)
+        ]
+        for writer in writers:
+            writer.start()
+        for writer in writers:
+            writer.join(timeout=60)
+        assert [writer.exitcode for writer in writers] == [0] * _WRITERS
+        with path.open(newline="") as handle:
+            lines = list(csv.reader(handle))
+        assert lines[0] == header and lines.count(header) == 1, f"trial {trial}: {lines}"
+        assert sorted(lines[1:]) == expected, f"trial {trial}: {lines}"
 
 
 def test_a_negative_memory_batch_is_refused():

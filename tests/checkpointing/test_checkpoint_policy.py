@@ -37,8 +37,13 @@ def test_hydra_containers_parse_like_plain_ones():
     ("spec", "error", "message"),
     [
         ({"mode": "recompute"}, ValueError, "Unknown `mode`='recompute'; valid choices: full, selective, offload"),
-        ({"every_n": 0}, ValueError, "`every_n`=0 must be at least 1"),
-        ({"every_n": "half"}, ValueError, "`every_n`='half' must be a positive int, 'sqrt' or None"),
+        ({"mode": ["full"]}, ValueError, "Unknown `mode`=['full']; valid choices: full, selective, offload"),
+        ({"every_n": 0}, ValueError, "`every_n` must be an integer ≥ 1, 'sqrt' or None, got 0 (int)"),
+        ({"every_n": -2}, ValueError, "`every_n` must be an integer ≥ 1, 'sqrt' or None, got -2 (int)"),
+        ({"every_n": "half"}, ValueError, "`every_n` must be an integer ≥ 1, 'sqrt' or None, got 'half' (str)"),
+        ({"every_n": True}, ValueError, "`every_n` must be an integer ≥ 1, 'sqrt' or None, got True (bool)"),
+        ({"every_n": 1.5}, ValueError, "`every_n` must be an integer ≥ 1, 'sqrt' or None, got 1.5 (float)"),
+        ({"modules": 7}, ValueError, "`modules` must be module classes, dotted class paths or name globs, got 7 (int)"),
         ({"module": "fnet"}, ValueError, "Unknown policy keys ['module']; valid keys: modules, every_n, mode"),
         ([], ValueError, "`policy` is an empty list"),
         (3, TypeError, "`policy`=3 must be a Policy, a string, a module class"),
@@ -51,6 +56,12 @@ def test_bad_policies_raise_naming_the_value_and_the_choices(spec, error, messag
     with pytest.raises(error) as caught:
         parse_policy(spec)
     assert message in str(caught.value)
+
+
+def test_a_whole_float_every_n_is_an_int_and_a_model_must_be_a_module():
+    assert Policy(every_n=2.0).every_n == 2 and isinstance(Policy(every_n=2.0).every_n, int)
+    with pytest.raises(TypeError, match=r"`model` must be an nn.Module, got 'r18' \(str\)"):
+        apply_activation_checkpointing("r18", "auto")
 
 
 def test_globs_match_whole_segments_at_the_end_of_a_name():

@@ -54,20 +54,20 @@ def test_rotation_changes_image_keeps_shape_and_range(image):
 
 def test_rotation_by_90_degrees_is_rot90(monkeypatch):
     square = torch.rand(3, 9, 9) * 2 - 1
-    monkeypatch.setattr("lightning_memopt.data.augment._uniform", lambda low, high: high)
+    monkeypatch.setattr("lightning_memopt.data.augment._uniform", lambda low, high, generator: high)
     rotated = FaceAugmentation(hflip=0.0, rotation_degrees=90.0)(square)
     matches = [torch.allclose(rotated, square.rot90(k, dims=(1, 2)), atol=1e-5) for k in (1, -1)]
     assert any(matches)
 
 
 def test_rotation_by_180_degrees_of_non_square_image_flips_both_axes(image, monkeypatch):
-    monkeypatch.setattr("lightning_memopt.data.augment._uniform", lambda low, high: high)
+    monkeypatch.setattr("lightning_memopt.data.augment._uniform", lambda low, high, generator: high)
     rotated = FaceAugmentation(hflip=0.0, rotation_degrees=180.0)(image)
     torch.testing.assert_close(rotated, image.flip(1, 2), atol=1e-5, rtol=0)
 
 
 def test_rotation_by_zero_angle_is_identity(image, monkeypatch):
-    monkeypatch.setattr("lightning_memopt.data.augment._uniform", lambda low, high: 0.0)
+    monkeypatch.setattr("lightning_memopt.data.augment._uniform", lambda low, high, generator: 0.0)
     rotated = FaceAugmentation(hflip=0.0, rotation_degrees=45.0)(image)
     torch.testing.assert_close(rotated, image, atol=1e-5, rtol=0)
 
@@ -84,24 +84,29 @@ def test_color_jitter_changes_image_and_keeps_range():
 
 
 def test_color_jitter_with_unit_factors_is_identity(image, monkeypatch):
-    monkeypatch.setattr("lightning_memopt.data.augment._uniform", lambda low, high: 1.0)
+    monkeypatch.setattr("lightning_memopt.data.augment._uniform", lambda low, high, generator: 1.0)
     jittered = FaceAugmentation(hflip=0.0, color_jitter=0.5)(image)
     torch.testing.assert_close(jittered, image, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"hflip": -0.1}, r"`hflip` must be a probability in \[0, 1\], got -0.1"),
-        ({"hflip": 1.5}, r"`hflip`.*got 1.5"),
-        ({"rotation_degrees": -1.0}, r"`rotation_degrees` must be in \[0, 180\], got -1.0"),
-        ({"rotation_degrees": 181}, r"`rotation_degrees`.*got 181"),
-        ({"color_jitter": 1.0}, r"`color_jitter` must be in \[0, 1\), got 1.0"),
-        ({"color_jitter": -0.5}, r"`color_jitter`.*got -0.5"),
+        ({"hflip": -0.1}, ValueError, r"`hflip` must be a number ≥ 0 and ≤ 1, got -0.1"),
+        ({"hflip": 1.5}, ValueError, r"`hflip`.*got 1.5"),
+        ({"hflip": float("nan")}, ValueError, r"`hflip`.*got nan"),
+        ({"hflip": "half"}, TypeError, r"`hflip` must be a number ≥ 0 and ≤ 1, got 'half' \(str\)"),
+        ({"hflip": True}, TypeError, r"`hflip`.*got True \(bool\)"),
+        ({"rotation_degrees": -1.0}, ValueError, r"`rotation_degrees` must be a number ≥ 0 and ≤ 180, got -1.0"),
+        ({"rotation_degrees": 181}, ValueError, r"`rotation_degrees`.*got 181"),
+        ({"rotation_degrees": None}, TypeError, r"`rotation_degrees`.*got None"),
+        ({"color_jitter": 1.0}, ValueError, r"`color_jitter` must be a number ≥ 0 and < 1, got 1.0"),
+        ({"color_jitter": -0.5}, ValueError, r"`color_jitter`.*got -0.5"),
+        ({"color_jitter": "0.2"}, TypeError, r"`color_jitter`.*got '0.2' \(str\)"),
     ],
 )
-def test_bad_arguments_raise(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_arguments_raise(kwargs, error, match):
+    with pytest.raises(error, match=match):
         FaceAugmentation(**kwargs)
 
 

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from lightning_memopt.data import ImageFolderFaceDataModule
-from lightning_memopt.data.image_folder_face import scan_image_folder
+from lightning_memopt.data.image_folder_face import ImageFolderFaceDataset, scan_image_folder
 from tests.helpers import write_face_folder
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -153,16 +153,36 @@ def test_truncated_image_raises_naming_the_file(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"val_fraction": 1.0}, r"`val_fraction` must be in \[0, 1\), got 1.0"),
-        ({"image_size": 0}, r"`image_size` must be at least 1 or None, got 0"),
+        ({"val_fraction": 1.0}, ValueError, r"`val_fraction` must be a number ≥ 0 and < 1, got 1.0"),
+        ({"val_fraction": "0.1"}, TypeError, r"`val_fraction` must be a number ≥ 0 and < 1, got '0.1' \(str\)"),
+        ({"image_size": 0}, ValueError, r"`image_size` must be an integer ≥ 1, got 0"),
+        ({"image_size": "112"}, TypeError, r"`image_size` must be an integer ≥ 1, got '112' \(str\)"),
+        ({"num_classes": 0}, ValueError, r"`num_classes` must be an integer ≥ 1, got 0"),
+        ({"num_classes": 2}, ValueError, r"`num_classes`=2 but '.*' has 1 identity folders"),
+        ({"seed": -1}, ValueError, r"`seed` must be an integer ≥ 0, got -1"),
+        ({"extensions": ".png"}, TypeError, r"`extensions` must be a list of file name endings .*got '\.png' \(str\)"),
+        ({"extensions": []}, ValueError, r"`extensions` must be a non-empty list .*got \[\]"),
+        ({"extensions": [".png", 3]}, TypeError, r"`extensions` must be a list of file name endings"),
+        ({"root": "{tmp}/nowhere"}, FileNotFoundError, r"image folder `root` '.*nowhere' does not exist"),
+        ({"root": 42}, TypeError, r"`root` must be a path, got 42 \(int\)"),
+        ({"batch_size": "abc"}, TypeError, r"`batch_size` must be an integer ≥ 1, got 'abc' \(str\)"),
+        ({"pin_memory": "off-ish"}, ValueError, r"`pin_memory` must be true or false, got 'off-ish'"),
     ],
 )
-def test_bad_arguments_raise(tmp_path, kwargs, match):
+def test_bad_arguments_raise(tmp_path, kwargs, error, match):
     write_face_folder(tmp_path, {"a": 1})
-    with pytest.raises(ValueError, match=match):
-        ImageFolderFaceDataModule(str(tmp_path), **kwargs)
+    arguments = {"root": str(tmp_path), **kwargs}
+    if isinstance(arguments["root"], str):
+        arguments["root"] = arguments["root"].format(tmp=tmp_path)
+    with pytest.raises(error, match=match):
+        ImageFolderFaceDataModule(**arguments)
+
+
+def test_bad_dataset_arguments_raise(tmp_path):
+    with pytest.raises(ValueError, match=r"`image_size` must be an integer ≥ 1, got -4"):
+        ImageFolderFaceDataset([], image_size=-4)
 
 
 def test_hyperparameters_are_saved(tmp_path):

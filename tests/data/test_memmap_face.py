@@ -167,9 +167,83 @@ def test_meta_that_is_not_json_raises(packed):
         MemmapFaceDataModule(str(packed))
 
 
-def test_bad_val_fraction_raises(packed):
-    with pytest.raises(ValueError, match=r"`val_fraction` must be in \[0, 1\), got -0.1"):
-        MemmapFaceDataModule(str(packed), val_fraction=-0.1)
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"val_fraction": -0.1}, ValueError, r"`val_fraction` must be a number ≥ 0 and < 1, got -0.1"),
+        ({"val_fraction": None}, TypeError, r"`val_fraction` must be a number ≥ 0 and < 1, got None"),
+        ({"num_classes": "3"}, TypeError, r"`num_classes` must be an integer ≥ 1, got '3' \(str\)"),
+        ({"num_classes": 4}, ValueError, r"`num_classes`=4 but '.*meta\.json' says 3 identities"),
+        ({"image_size": 0}, ValueError, r"`image_size` must be an integer ≥ 1, got 0"),
+        ({"image_size": 32}, ValueError, r"`image_size`=32 but '.*meta\.json' describes 16x16 images"),
+        ({"seed": 1.5}, TypeError, r"`seed` must be an integer ≥ 0, got 1.5 \(float\)"),
+        ({"path": "{tmp}/nowhere"}, FileNotFoundError, r"memmap face dataset `path` '.*nowhere' does not exist"),
+        ({"path": ["a", "b"]}, TypeError, r"`path` must be a path, got \['a', 'b'\] \(list\)"),
+        ({"batch_size": "abc"}, TypeError, r"`batch_size` must be an integer ≥ 1, got 'abc' \(str\)"),
+        ({"val_batch_size": -1}, ValueError, r"`val_batch_size` must be an integer ≥ 1, got -1"),
+        ({"persistent_workers": "maybe"}, ValueError, r"`persistent_workers` must be true or false, got 'maybe'"),
+    ],
+)
+def test_bad_arguments_raise(packed, tmp_path, kwargs, error, match):
+    arguments = {"path": str(packed), **kwargs}
+    if isinstance(arguments["path"], str):
+        arguments["path"] = arguments["path"].format(tmp=tmp_path)
+    with pytest.raises(error, match=match):
+        MemmapFaceDataModule(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("write", "match"),
+    [
+        (lambda file: file.write_bytes(b""), r"cannot read '.*labels\.npy' as a \.npy array"),
+        (lambda file: file.write_bytes(file.read_bytes()[:100]), r"cannot read '.*labels\.npy' as a \.npy array"),
+        (lambda file: file.write_text("0,1,2"), r"cannot read '.*labels\.npy' as a \.npy array"),
+        (lambda file: np.save(file, np.zeros((9, 1), np.int64)), r"labels\.npy' must hold a 1-D integer array"),
+    ],
+)
+def test_unreadable_labels_name_the_file(packed, write, match):
+    write(packed / "labels.npy")
+    with pytest.raises(ValueError, match=match):
+        MemmapFaceDataModule(str(packed))
+
+
+@pytest.mark.parametrize(
+    ("meta", "match"),
+    [
+        ("[1, 2]", r"meta\.json' must hold a JSON object, got list"),
+        ('{"format": "lightning_memopt.faces.v1"}', r"meta\.json' misses keys \['count', 'height', 'width'"),
+        ("", r"cannot read '.*meta\.json' as JSON"),
+    ],
+)
+def test_malformed_meta_names_the_file(packed, meta, match):
+    (packed / "meta.json").write_text(meta)
+    with pytest.raises(ValueError, match=match):
+        MemmapFaceDataModule(str(packed))
+
+
+def test_images_larger_than_meta_says_raise(packed):
+    images = packed / "images.u8"
+    images.write_bytes(images.read_bytes() + b"\0" * 3)
+    with pytest.raises(ValueError, match=r"images\.u8' has 6915 bytes but meta\.json describes .* = 6912 bytes"):
+        MemmapFaceDataModule(str(packed))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"images_file": "{tmp}/none.u8"}, FileNotFoundError, r"`images_file`: no file at '.*none\.u8'"),
+        ({"shape": (2, 2)}, TypeError, r"`shape` must be \(count, height, width\), got \(2, 2\)"),
+        ({"shape": (3, 2, 3)}, ValueError, r"images\.u8' has 36 bytes, not the 54 of `shape` \(3, 2, 3\)"),
+        ({"labels": np.array([0.0, 1.0])}, ValueError, r"`labels` must be 2 integers \(one per image\)"),
+        ({"indices": np.array([2])}, ValueError, r"`indices` must be a list of rows in \[0, 2\), got array\(\[2\]\)"),
+    ],
+)
+def test_bad_dataset_arguments_raise(tmp_path, kwargs, error, match):
+    np.zeros((2, 2, 3, 3), dtype=np.uint8).tofile(tmp_path / "images.u8")
+    arguments = {"images_file": str(tmp_path / "images.u8"), "shape": (2, 2, 3), "labels": np.array([0, 1]), **kwargs}
+    arguments["images_file"] = arguments["images_file"].format(tmp=tmp_path)
+    with pytest.raises(error, match=match):
+        MemmapFaceDataset(**arguments)
 
 
 def test_dataset_on_hand_written_file(tmp_path):

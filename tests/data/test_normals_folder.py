@@ -113,14 +113,73 @@ def test_validation_fraction_splits_the_samples(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "error", "message"),
     [
-        ({"val_fraction": 1.0}, r"`val_fraction` must be in \[0, 1\), got 1.0"),
-        ({"unit_tolerance": 0.0}, r"`unit_tolerance` must be in \(0, 1\)"),
-        ({"image_size": (8,)}, r"`image_size` must be \(H, W\) of positive sizes or None"),
+        ({"val_fraction": 1.0}, ValueError, r"`val_fraction` must be a number ≥ 0 and < 1, got 1.0"),
+        ({"unit_tolerance": 0.0}, ValueError, r"`unit_tolerance` must be a number > 0 and < 1, got 0.0"),
+        ({"unit_tolerance": "1e-2"}, TypeError, r"`unit_tolerance` must be a number > 0 and < 1, got '1e-2' \(str\)"),
+        ({"image_size": (8,)}, TypeError, r"`image_size` must be \(H, W\), two integers ≥ 1, got \(8,\)"),
+        ({"image_size": (8, 0)}, ValueError, r"`image_size` must be \(H, W\), two integers ≥ 1, got \(8, 0\)"),
+        ({"seed": "x"}, TypeError, r"`seed` must be an integer ≥ 0, got 'x' \(str\)"),
+        ({"extensions": ".png"}, TypeError, r"`extensions` must be a list of file name endings"),
+        ({"root": "{tmp}/nowhere"}, FileNotFoundError, r"normals folder `root` '.*nowhere' does not exist"),
+        ({"batch_size": "abc"}, TypeError, r"`batch_size` must be an integer ≥ 1, got 'abc' \(str\)"),
+        ({"drop_last": "nope"}, ValueError, r"`drop_last` must be true or false, got 'nope'"),
     ],
 )
-def test_bad_arguments_are_refused(tmp_path, kwargs, message):
+def test_bad_arguments_are_refused(tmp_path, kwargs, error, message):
     write_normals_sample(tmp_path, "a")
-    with pytest.raises(ValueError, match=message):
-        NormalsFolderDataModule(str(tmp_path), **kwargs)
+    arguments = {"root": str(tmp_path), **kwargs}
+    arguments["root"] = arguments["root"].format(tmp=tmp_path)
+    with pytest.raises(error, match=message):
+        NormalsFolderDataModule(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"image_size": [4, 4.5]}, TypeError, r"`image_size` must be \(H, W\), two integers ≥ 1, got \[4, 4.5\]"),
+        ({"unit_tolerance": 1.0}, ValueError, r"`unit_tolerance` must be a number > 0 and < 1, got 1.0"),
+    ],
+)
+def test_bad_dataset_arguments_are_refused(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        NormalsFolderDataset([], **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("damage", "error", "message"),
+    [
+        (lambda root: (root / "normals" / "a.npy").write_bytes(b""), RuntimeError, r"cannot read normals .*a\.npy"),
+        (
+            lambda root: (root / "normals" / "a.npy").write_bytes((root / "normals" / "a.npy").read_bytes()[:150]),
+            RuntimeError,
+            r"cannot read normals .*normals/a\.npy.*Failed to read all data",
+        ),
+        (
+            lambda root: np.save(root / "normals" / "a.npy", unit_normals(6, 7)),
+            ValueError,
+            r"normals/a\.npy has shape \(6, 7, 3\), expected \(H, W, 3\) = \(6, 8, 3\) to match .*images/a\.png",
+        ),
+        (
+            lambda root: (root / "images" / "a.png").write_bytes(b"not a png"),
+            RuntimeError,
+            r"cannot read image '.*images/a\.png'",
+        ),
+        (
+            lambda root: (root / "images" / "a.png").write_bytes((root / "images" / "a.png").read_bytes()[:60]),
+            RuntimeError,
+            r"cannot read image '.*images/a\.png'",
+        ),
+        (
+            lambda root: (root / "masks" / "a.png").write_bytes(b"\x89PNG broken"),
+            RuntimeError,
+            r"cannot read image '.*masks/a\.png'",
+        ),
+    ],
+)
+def test_unreadable_or_mismatched_files_name_the_file(tmp_path, damage, error, message):
+    write_normals_sample(tmp_path, "a", mask=np.ones((6, 8), dtype=bool))
+    damage(tmp_path)
+    with pytest.raises(error, match=message):
+        NormalsFolderDataset(scan_normals_folder(tmp_path))[0]

@@ -117,20 +117,43 @@ def test_datamodule_batches_and_separate_validation_scenes():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "error", "message"),
     [
-        ({"num_samples": 0}, r"`num_samples` must be at least 1, got 0"),
-        ({"val_samples": -1}, r"`val_samples` must be at least 0, got -1"),
-        ({"image_size": (4, 16)}, r"`image_size` must be \(H, W\), each at least 8"),
-        ({"max_objects": 0}, r"`max_objects` must be at least 1"),
-        ({"seed": -1}, r"`seed` must be at least 0"),
-        ({"batch_size": 0}, r"`batch_size` must be at least 1, got 0"),
-        ({"persistent_workers": True}, r"`persistent_workers=True` needs worker processes"),
+        ({"num_samples": 0}, ValueError, r"`num_samples` must be an integer ≥ 1, got 0"),
+        ({"num_samples": "many"}, TypeError, r"`num_samples` must be an integer ≥ 1, got 'many' \(str\)"),
+        ({"val_samples": -1}, ValueError, r"`val_samples` must be an integer ≥ 0, got -1"),
+        ({"image_size": (4, 16)}, ValueError, r"`image_size` must be \(H, W\), two integers ≥ 8, got \(4, 16\)"),
+        ({"image_size": 64}, TypeError, r"`image_size` must be \(H, W\), two integers ≥ 8, got 64 \(int\)"),
+        ({"image_size": "64x48"}, TypeError, r"`image_size` must be \(H, W\).*got '64x48' \(str\)"),
+        ({"image_size": (64, 48, 3)}, TypeError, r"`image_size` must be \(H, W\).*got \(64, 48, 3\)"),
+        ({"image_size": [64, "48"]}, TypeError, r"`image_size` must be \(H, W\).*got \[64, '48'\]"),
+        ({"max_objects": 0}, ValueError, r"`max_objects` must be an integer ≥ 1, got 0"),
+        ({"seed": -1}, ValueError, r"`seed` must be an integer ≥ 0, got -1"),
+        ({"batch_size": 0}, ValueError, r"`batch_size` must be an integer ≥ 1, got 0"),
+        ({"batch_size": "abc"}, TypeError, r"`batch_size` must be an integer ≥ 1, got 'abc' \(str\)"),
+        ({"num_workers": "2"}, TypeError, r"`num_workers` must be an integer ≥ 0, got '2' \(str\)"),
+        ({"pin_memory": "perhaps"}, ValueError, r"`pin_memory` must be true or false, got 'perhaps'"),
+        ({"persistent_workers": True}, ValueError, r"`persistent_workers=True` needs worker processes"),
     ],
 )
-def test_bad_arguments_are_refused(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_arguments_are_refused(kwargs, error, message):
+    with pytest.raises(error, match=message):
         SyntheticNormalsDataModule(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"num_samples": -1}, ValueError, r"`num_samples` must be an integer ≥ 0, got -1"),
+        ({"image_size": (0, 8)}, ValueError, r"`image_size` must be \(H, W\), two integers ≥ 1, got \(0, 8\)"),
+        ({"seed": "1"}, TypeError, r"`seed` must be an integer ≥ 0, got '1' \(str\)"),
+        ({"first_index": -2}, ValueError, r"`first_index` must be an integer ≥ 0, got -2"),
+        ({"max_objects": 0}, ValueError, r"`max_objects` must be an integer ≥ 1, got 0"),
+    ],
+)
+def test_bad_dataset_arguments_are_refused(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        SyntheticNormalsDataset(**{"num_samples": 2, "image_size": (8, 8), "seed": 0, **kwargs})
 
 
 def test_drop_last_refuses_a_training_set_smaller_than_a_batch():

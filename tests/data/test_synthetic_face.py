@@ -149,23 +149,66 @@ def test_hyperparameters_rebuild_the_datamodule(augmentation):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"num_classes": 0}, ValueError, r"`num_classes` must be at least 1, got 0"),
-        ({"samples_per_class": 0}, ValueError, r"`samples_per_class` must be at least 1, got 0"),
-        ({"val_samples_per_class": -1}, ValueError, r"`val_samples_per_class` must be at least 0, got -1"),
-        ({"image_size": 8}, ValueError, r"`image_size` must be a multiple of 16 and at least 16.*got 8"),
-        ({"image_size": 100}, ValueError, r"`image_size`.*got 100"),
-        ({"batch_size": 0}, ValueError, r"`batch_size` must be at least 1, got 0"),
-        ({"val_batch_size": 0}, ValueError, r"`val_batch_size` must be at least 1 or None, got 0"),
-        ({"num_workers": -1}, ValueError, r"`num_workers` must be at least 0, got -1"),
+        ({"num_classes": 0}, ValueError, r"`num_classes` must be an integer ≥ 1, got 0"),
+        ({"num_classes": "ten"}, TypeError, r"`num_classes` must be an integer ≥ 1, got 'ten' \(str\)"),
+        ({"samples_per_class": 0}, ValueError, r"`samples_per_class` must be an integer ≥ 1, got 0"),
+        ({"samples_per_class": 2.5}, TypeError, r"`samples_per_class` must be an integer ≥ 1, got 2.5 \(float\)"),
+        ({"val_samples_per_class": -1}, ValueError, r"`val_samples_per_class` must be an integer ≥ 0, got -1"),
+        ({"image_size": 8}, ValueError, r"`image_size` must be an integer ≥ 16, got 8"),
+        ({"image_size": 100}, ValueError, r"`image_size` must be a multiple of 16.*got 100"),
+        ({"image_size": None}, TypeError, r"`image_size` must be an integer ≥ 16, got None"),
+        ({"seed": "zero"}, TypeError, r"`seed` must be an integer, got 'zero' \(str\)"),
+        ({"verification_pairs": "maybe"}, ValueError, r"`verification_pairs` must be true or false, got 'maybe'"),
+        ({"batch_size": 0}, ValueError, r"`batch_size` must be an integer ≥ 1, got 0"),
+        # Hydra passes `data.batch_size=abc` as the string "abc"
+        ({"batch_size": "abc"}, TypeError, r"`batch_size` must be an integer ≥ 1, got 'abc' \(str\)"),
+        ({"batch_size": True}, TypeError, r"`batch_size` must be an integer ≥ 1, got True \(bool\)"),
+        ({"val_batch_size": 0}, ValueError, r"`val_batch_size` must be an integer ≥ 1, got 0"),
+        ({"val_batch_size": "8"}, TypeError, r"`val_batch_size` must be an integer ≥ 1, got '8' \(str\)"),
+        ({"num_workers": -1}, ValueError, r"`num_workers` must be an integer ≥ 0, got -1"),
+        ({"pin_memory": "sometimes"}, ValueError, r"`pin_memory` must be true or false, got 'sometimes' \(str\)"),
+        ({"pin_memory": 2}, ValueError, r"`pin_memory` must be true or false, got 2 \(int\)"),
+        ({"drop_last": None}, ValueError, r"`drop_last` must be true or false, got None"),
         ({"persistent_workers": True}, ValueError, r"`persistent_workers=True` needs worker processes"),
+        ({"persistent_workers": "on"}, ValueError, r"`persistent_workers=True` needs worker processes"),
         ({"augmentation": {"flip": 0.5}}, ValueError, r"`augmentation` got unknown keys \['flip'\].*'hflip'"),
         ({"augmentation": 0.5}, TypeError, r"`augmentation` must be a FaceAugmentation.*got 0.5"),
         ({"augmentation": {"hflip": 2.0}}, ValueError, r"`hflip`.*got 2.0"),
+        ({"augmentation": {"hflip": "yes"}}, TypeError, r"`hflip`.*got 'yes' \(str\)"),
     ],
 )
 def test_bad_arguments_raise(kwargs, error, match):
     with pytest.raises(error, match=match):
         small(**kwargs)
+
+
+def test_booleans_are_read_as_words_never_by_truthiness():
+    dm = small(pin_memory="off", drop_last="false", verification_pairs="no")
+    assert dm.pin_memory is False and dm.loader_options["pin_memory"] is False
+    assert dm.drop_last is False and dm.verification_pairs is False
+    dm = small(pin_memory="yes", drop_last=1)
+    assert dm.pin_memory is True and dm.drop_last is True
+
+
+def test_checked_values_are_saved_as_hyperparameters():
+    dm = small(num_classes=5.0, seed=3.0)
+    assert dm.num_classes == 5 and type(dm.hparams["num_classes"]) is int and type(dm.hparams["seed"]) is int
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_classes": 0}, ValueError, r"`num_classes` must be an integer ≥ 1, got 0"),
+        ({"samples_per_class": "4"}, TypeError, r"`samples_per_class` must be an integer ≥ 1, got '4' \(str\)"),
+        ({"image_size": 0}, ValueError, r"`image_size` must be an integer ≥ 1, got 0"),
+        ({"seed": 0.5}, TypeError, r"`seed` must be an integer, got 0.5 \(float\)"),
+        ({"first_sample": -1}, ValueError, r"`first_sample` must be an integer ≥ 0, got -1"),
+    ],
+)
+def test_bad_dataset_arguments_raise(kwargs, error, match):
+    args = {"num_classes": 2, "samples_per_class": 2, "image_size": 16, "seed": 0}
+    with pytest.raises(error, match=match):
+        SyntheticFaceDataset(**{**args, **kwargs})
 
 
 def test_training_set_smaller_than_a_batch_raises_with_drop_last():

@@ -108,18 +108,49 @@ def test_datamodule_batches_and_validation_clips_differ():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "error", "message"),
     [
-        ({"num_clips": 0}, r"`num_clips` must be at least 1, got 0"),
-        ({"sequence_len": 1}, r"`sequence_len` must be at least 2, got 1"),
-        ({"traj_per_sample": 0}, r"`traj_per_sample` must be at least 1, got 0"),
-        ({"image_size": (8, 64)}, r"`image_size` must be \(H, W\), each at least 16"),
-        ({"batch_size": 0}, r"`batch_size` must be at least 1"),
+        ({"num_clips": 0}, ValueError, r"`num_clips` must be an integer ≥ 1, got 0"),
+        ({"val_clips": "none"}, TypeError, r"`val_clips` must be an integer ≥ 0, got 'none' \(str\)"),
+        ({"sequence_len": 1}, ValueError, r"`sequence_len` must be an integer ≥ 2, got 1"),
+        ({"sequence_len": 24.5}, TypeError, r"`sequence_len` must be an integer ≥ 2, got 24.5 \(float\)"),
+        ({"traj_per_sample": 0}, ValueError, r"`traj_per_sample` must be an integer ≥ 1, got 0"),
+        ({"num_objects": -1}, ValueError, r"`num_objects` must be an integer ≥ 0, got -1"),
+        ({"seed": -3}, ValueError, r"`seed` must be an integer ≥ 0, got -3"),
+        ({"image_size": (8, 64)}, ValueError, r"`image_size` must be \(H, W\), two integers ≥ 16, got \(8, 64\)"),
+        ({"image_size": "384x512"}, TypeError, r"`image_size` must be \(H, W\).*got '384x512' \(str\)"),
+        ({"batch_size": 0}, ValueError, r"`batch_size` must be an integer ≥ 1, got 0"),
+        ({"batch_size": "abc"}, TypeError, r"`batch_size` must be an integer ≥ 1, got 'abc' \(str\)"),
+        ({"drop_last": "sure"}, ValueError, r"`drop_last` must be true or false, got 'sure'"),
     ],
 )
-def test_bad_arguments_are_refused(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_arguments_are_refused(kwargs, error, message):
+    with pytest.raises(error, match=message):
         SyntheticTrackingDataModule(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"num_clips": -1}, ValueError, r"`num_clips` must be an integer ≥ 0, got -1"),
+        ({"sequence_len": 0}, ValueError, r"`sequence_len` must be an integer ≥ 1, got 0"),
+        ({"image_size": (1, 8)}, ValueError, r"`image_size` must be \(H, W\), two integers ≥ 2, got \(1, 8\)"),
+        ({"traj_per_sample": "16"}, TypeError, r"`traj_per_sample` must be an integer ≥ 1, got '16' \(str\)"),
+        ({"seed": -1}, ValueError, r"`seed` must be an integer ≥ 0, got -1"),
+        ({"first_clip": -1}, ValueError, r"`first_clip` must be an integer ≥ 0, got -1"),
+    ],
+)
+def test_bad_dataset_arguments_are_refused(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        _dataset(**kwargs)
+
+
+def test_samples_name_their_clip_and_batch_with_the_checking_collate():
+    dm = SyntheticTrackingDataModule(num_clips=2, val_clips=1, sequence_len=4, image_size=(32, 32),
+                                     traj_per_sample=3, batch_size=2)  # fmt: skip
+    assert dm.val_dataset[0].source == "synthetic clip 2"  # validation clips follow the training ones
+    batch = next(iter(dm.train_dataloader()))
+    assert type(batch) is dict and batch["video"].shape == (2, 4, 3, 32, 32)
 
 
 def test_index_out_of_range():

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from lightning_memopt.data import PairDataset, SyntheticFaceDataModule, verification_pairs
@@ -32,3 +33,20 @@ def test_the_synthetic_datamodule_gives_a_pair_loader():
     single = SyntheticFaceDataModule(num_classes=3, samples_per_class=1, val_samples_per_class=1, image_size=16,
                                      batch_size=2, verification_pairs=True)  # fmt: skip
     assert not isinstance(single.val_dataloader(), list)  # no identity has two samples: no pairs
+
+
+@pytest.mark.parametrize(
+    ("pairs", "error", "message"),
+    [
+        ([(0, 3, True)], ValueError, r"`pairs\[0\]` = \(0, 3, True\) names sample 3, outside a dataset of 3 samples"),
+        ([(0, 1, True), (-1, 1, False)], ValueError, r"`pairs\[1\]` = \(-1, 1, False\) names sample -1"),
+        ([(0, 1)], TypeError, r"`pairs\[0\]` must be \(index, index, same\), got \(0, 1\)"),
+        (["012"], TypeError, r"`pairs\[0\]` must be \(index, index, same\), got '012'"),
+        ([(0, "1", True)], TypeError, r"`pairs\[0\]` must be an integer, got '1' \(str\)"),
+        ([(0, 1, "perhaps")], ValueError, r"`pairs\[0\]` must be true or false, got 'perhaps'"),
+    ],
+)
+def test_bad_pairs_are_refused(pairs, error, message):
+    dataset = [(torch.zeros(1), label) for label in (0, 0, 1)]
+    with pytest.raises(error, match=message):
+        PairDataset(dataset, pairs)

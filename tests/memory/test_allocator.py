@@ -32,17 +32,40 @@ def test_a_warning_when_cuda_is_already_initialised(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "error", "message"),
     [
-        ({"expandable_segments": "yes"}, r"`expandable_segments`='yes' must be true or false"),
-        ({"max_split_size_mb": 20}, r"`max_split_size_mb`=20 must be an integer above 20"),
-        ({"max_split_size_mb": 64.5}, r"`max_split_size_mb`=64.5 must be an integer above 20"),
-        ({"garbage_collection_threshold": 1.0}, r"`garbage_collection_threshold`=1.0 must be in \(0, 1\)"),
+        (
+            {"expandable_segments": "maybe"},
+            ValueError,
+            r"`expandable_segments` must be true, false or null, got 'maybe'",
+        ),
+        ({"expandable_segments": 2}, ValueError, r"`expandable_segments` must be true, false or null, got 2 \(int\)"),
+        ({"max_split_size_mb": 20}, ValueError, r"`max_split_size_mb` must be an integer ≥ 21, got 20"),
+        ({"max_split_size_mb": -64}, ValueError, r"`max_split_size_mb` must be an integer ≥ 21, got -64"),
+        ({"max_split_size_mb": 64.5}, TypeError, r"`max_split_size_mb` must be an integer ≥ 21, got 64.5 \(float\)"),
+        ({"max_split_size_mb": "128"}, TypeError, r"`max_split_size_mb` must be an integer ≥ 21, got '128' \(str\)"),
+        ({"max_split_size_mb": True}, TypeError, r"`max_split_size_mb` must be an integer ≥ 21, got True \(bool\)"),
+        (
+            {"garbage_collection_threshold": 1.0},
+            ValueError,
+            r"`garbage_collection_threshold` must be a number > 0 and < 1, got 1.0",
+        ),
+        (
+            {"garbage_collection_threshold": "abc"},
+            TypeError,
+            r"`garbage_collection_threshold` must be a number > 0 and < 1, got 'abc' \(str\)",
+        ),
     ],
 )
-def test_invalid_values_are_rejected_naming_the_option(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_invalid_values_are_rejected_naming_the_option(kwargs, error, message):
+    with pytest.raises(error, match=message):
         allocator_settings(**kwargs)
+
+
+def test_words_from_a_config_are_read_as_booleans():
+    assert allocator_settings(expandable_segments="on") == {"expandable_segments": "True"}
+    assert allocator_settings(expandable_segments="off") == {"expandable_segments": "False"}
+    assert allocator_settings(expandable_segments="null", max_split_size_mb=128.0) == {"max_split_size_mb": "128"}
 
 
 def test_memopt_train_writes_the_allocator_options_before_it_starts(compose_train, monkeypatch):

@@ -105,8 +105,10 @@ def test_max_memory_derives_the_chunk():
         ({"k": 5, "exclude_self": True}, r"`k`=5 must be an int in \[1, 4\]"),
         ({"metric": "dot"}, "Unknown `metric`='dot'; valid choices: cosine, euclidean"),
         ({"backend": "annoy"}, "Unknown `backend`='annoy'; valid choices: torch, faiss"),
-        ({"chunk_size": 0}, "`chunk_size`=0 must be an int ≥ 1"),
-        ({"max_memory": 0}, "`max_memory`=0 must be a positive number of bytes"),
+        ({"chunk_size": 0}, "`chunk_size` must be an integer ≥ 1, got 0"),
+        ({"max_memory": 0}, "`max_memory` must be a number > 0, got 0"),
+        ({"query_offset": -1}, "`query_offset` must be an integer ≥ 0, got -1"),
+        ({"exclude_self": "maybe"}, "`exclude_self` must be true or false, got 'maybe'"),
         ({"exclude_self": True, "query_offset": 3}, "queries 3…7 are not all in the 5 references"),
     ],
 )
@@ -154,8 +156,12 @@ def test_empty_queries_and_half_precision_embeddings():
     assert torch.equal(
         half_indices, knn(reference.bfloat16().float(), reference.bfloat16().float(), 3, exclude_self=True)[1]
     )
-    with pytest.raises(ValueError, match="`query_offset`=-1 must be ≥ 0"):
+    with pytest.raises(ValueError, match="`query_offset` must be an integer ≥ 0, got -1"):
         knn(reference, reference, 2, query_offset=-1)
+    with pytest.raises(TypeError, match=r"`query_offset` must be an integer ≥ 0, got '3' \(str\)"):
+        knn(reference, reference, 2, query_offset="3")
+    with pytest.raises(TypeError, match=r"`chunk_size` must be an integer ≥ 1, got '8' \(str\)"):
+        knn(reference, reference, 2, chunk_size="8")
 
 
 @pytest.mark.cuda

@@ -157,8 +157,12 @@ def test_indices_count_a_repeated_sample_once():
     [
         (lambda: KNNRetrieval(metric="dot"), "Unknown `metric`='dot'"),
         (lambda: KNNRetrieval(backend="annoy"), "Unknown `backend`='annoy'"),
-        (lambda: KNNRetrieval(chunk_size=0), "`chunk_size`=0 must be an int ≥ 1"),
-        (lambda: KNNRetrieval(max_memory=-1), "`max_memory`=-1 must be a positive number of bytes"),
+        (lambda: KNNRetrieval(metric=None), "Unknown `metric`=None; valid choices: cosine, euclidean"),
+        (lambda: KNNRetrieval(chunk_size=0), "`chunk_size` must be an integer ≥ 1, got 0"),
+        (lambda: KNNRetrieval(chunk_size=-5), "`chunk_size` must be an integer ≥ 1, got -5"),
+        (lambda: KNNRetrieval(max_memory=-1), "`max_memory` must be a number > 0, got -1"),
+        (lambda: KNNRetrieval(max_memory=0.5), "`max_memory`=0 must be a positive number of bytes"),
+        (lambda: KNNRetrieval(embeddings_on_cpu="maybe"), r"`embeddings_on_cpu` must be true or false, got 'maybe'"),
         (lambda: KNNRetrieval().update(torch.randn(4, 2), torch.zeros(3)), r"\[4, 2\] and `labels` \[3\]"),
         (lambda: KNNRetrieval().compute(), "before any update"),
         (
@@ -177,6 +181,25 @@ def test_indices_count_a_repeated_sample_once():
 def test_bad_input(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"chunk_size": "512"}, r"`chunk_size` must be an integer ≥ 1, got '512' \(str\)"),
+        ({"chunk_size": True}, r"`chunk_size` must be an integer ≥ 1, got True \(bool\)"),
+        ({"max_memory": "1GB"}, r"`max_memory` must be a number > 0, got '1GB' \(str\)"),
+    ],
+)
+def test_options_of_the_wrong_type(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        KNNRetrieval(**kwargs)
+
+
+def test_options_from_a_config_are_read_in_their_types():
+    metric = KNNRetrieval(chunk_size=64.0, max_memory=1.0e9, embeddings_on_cpu="off")
+    assert (metric.chunk_size, metric.max_memory, metric.embeddings_on_cpu) == (64, 10**9, False)
+    assert isinstance(metric.max_memory, int) and KNNRetrieval(embeddings_on_cpu="on").embeddings_on_cpu is True
 
 
 @pytest.mark.distributed

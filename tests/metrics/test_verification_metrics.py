@@ -81,19 +81,40 @@ def test_the_metric_from_embeddings_or_labels():
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda: FaceVerification(folds=1), "`folds`=1 must be an int ≥ 2"),
-        (lambda: FaceVerification(far_targets=(0.0,)), "holds 0.0; every FAR must be in"),
+        (lambda: FaceVerification(folds=1), "`folds` must be an integer ≥ 2, got 1"),
+        (lambda: FaceVerification(folds=-10), "`folds` must be an integer ≥ 2, got -10"),
+        (lambda: FaceVerification(far_targets=(0.0,)), r"`far_targets` must be a number > 0 and ≤ 1, got 0.0"),
+        (lambda: FaceVerification(far_targets=(1e-3, 1.5)), r"`far_targets` must be a number > 0 and ≤ 1, got 1.5"),
         (lambda: FaceVerification().update(torch.randn(4, 2), torch.randn(3, 2), torch.ones(4)), r"\[4, 2\]"),
         (lambda: FaceVerification().update(torch.randn(4, 2), torch.randn(4, 2)), "give `same`, or both"),
         (lambda: FaceVerification().update(torch.randn(4, 2), torch.randn(4, 2), torch.ones(3)), "one flag per pair"),
         (lambda: FaceVerification().compute(), "before any update"),
         (lambda: verification_accuracy(torch.rand(5), torch.ones(5, dtype=torch.bool), folds=10), r"\[2, number"),
         (lambda: tar_at_far(torch.rand(5), torch.ones(5, dtype=torch.bool), 0.1), "1 kind|5 same, 0 different"),
-        (lambda: tar_at_far(torch.rand(5), torch.ones(5, dtype=torch.bool), 2.0), r"`far`=2.0 must be in \(0, 1\]"),
+        (
+            lambda: tar_at_far(torch.rand(5), torch.ones(5, dtype=torch.bool), 2.0),
+            r"`far` must be a number > 0 and ≤ 1",
+        ),
     ],
 )
 def test_bad_input(build, message):
     with pytest.raises(ValueError, match=message):
+        build()
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: FaceVerification(folds="10"), r"`folds` must be an integer ≥ 2, got '10' \(str\)"),
+        (lambda: FaceVerification(folds=True), r"`folds` must be an integer ≥ 2, got True \(bool\)"),
+        (lambda: FaceVerification(far_targets=["1e-3"]), r"`far_targets` must be a number > 0 and ≤ 1, got '1e-3'"),
+        (lambda: FaceVerification(far_targets="1e-3"), r"`far_targets` must be a list of FARs in \(0, 1\]"),
+        (lambda: FaceVerification(far_targets=0.001), r"`far_targets` must be a list of FARs .*, got 0.001 \(float\)"),
+        (lambda: tar_at_far(torch.rand(5), torch.ones(5, dtype=torch.bool), "0.1"), r"`far` must be a number > 0"),
+    ],
+)
+def test_input_of_the_wrong_type(build, message):
+    with pytest.raises(TypeError, match=message):
         build()
 
 

@@ -1,3 +1,4 @@
+import re
 from dataclasses import replace
 
 import pytest
@@ -137,9 +138,12 @@ def test_options_are_measured_against_the_chosen_knobs():
     assert "depth 2 → 1" in result.table()
 
 
-def test_unknown_gpu_lists_the_catalogue():
-    with pytest.raises(ValueError, match="valid names: v100_16gb, v100_32gb") as error:
-        gpu("a6000")
+@pytest.mark.parametrize("name", ["a6000", 3090, None, ["a100_80gb"], "A100_80GB"])
+def test_unknown_gpu_lists_the_catalogue(name):
+    with pytest.raises(
+        ValueError, match=f"Unknown `gpu`={re.escape(repr(name))}; valid names: v100_16gb, v100_32gb"
+    ) as error:
+        gpu(name)
     assert all(name in str(error.value) for name in GPUS)
 
 
@@ -153,30 +157,93 @@ def test_catalogue_flags_bf16():
     [
         ({"precision": "fp8"}, "Unknown `precision`='fp8'; valid choices: 32-true, bf16-mixed, 16-mixed"),
         ({"checkpoint": "half"}, "Unknown `checkpoint`='half'; valid choices: none, selective, full, offload"),
-        ({"every_n": 0}, "`every_n`=0 must be a positive int"),
-        ({"micro_batch_size": 0}, "`micro_batch_size`=0 must be a positive int or None"),
+        ({"every_n": 0}, "`every_n` must be an integer ≥ 1, got 0"),
+        ({"micro_batch_size": 0}, "`micro_batch_size` must be an integer ≥ 1, got 0"),
+        ({"micro_batch_size": -8}, "`micro_batch_size` must be an integer ≥ 1, got -8"),
         ({"attn_impl": "flash"}, "Unknown `attn_impl`='flash'; valid choices: sdpa, math"),
-        ({"shards": 0}, "`shards`=0 must be a positive int"),
-        ({"shards": True}, "`shards`=True must be a positive int"),
-        ({"cpu_offload": "yes"}, "`cpu_offload`='yes' must be True or False"),
+        ({"shards": 0}, "`shards` must be an integer ≥ 1, got 0"),
+        ({"cpu_offload": "maybe"}, "`cpu_offload` must be true or false, got 'maybe' (str)"),
     ],
 )
 def test_bad_knobs_are_named(arguments, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         Knobs(**arguments)
 
 
-def test_bad_plan_arguments_are_named():
-    with pytest.raises(ValueError, match=r"`safety_margin`=1.5 must be in \[0, 1\)"):
-        _plan(8.0, safety_margin=1.5)
-    with pytest.raises(ValueError, match="`devices`=0 must be a positive int"):
-        _plan(8.0, devices=0)
-    with pytest.raises(ValueError, match="`shards` entry 8 must be an int from 1 to `devices`=4"):
-        _plan(8.0, devices=4, shards=[1, 8])
-    with pytest.raises(ValueError, match=r"`cpu_offload`=\(\) must be a non-empty sequence of True / False"):
-        _plan(8.0, cpu_offload=())
-    with pytest.raises(ValueError, match="`budget`=0 GiB must be positive"):
-        with_budget(gpu("t4_16gb"), 0)
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"shards": True}, "`shards` must be an integer ≥ 1, got True (bool)"),
+        ({"every_n": "2"}, "`every_n` must be an integer ≥ 1, got '2' (str)"),
+        ({"micro_batch_size": 1.5}, "`micro_batch_size` must be an integer ≥ 1, got 1.5 (float)"),
+    ],
+)
+def test_knobs_of_the_wrong_type_are_named(arguments, message):
+    with pytest.raises(TypeError, match=re.escape(message)):
+        Knobs(**arguments)
+
+
+def test_knobs_read_words_and_whole_floats():
+    knobs = Knobs(every_n=2.0, shards=4.0, cpu_offload="on", micro_batch_size=8.0)
+    assert knobs == Knobs(every_n=2, shards=4, cpu_offload=True, micro_batch_size=8)
+    assert Knobs(cpu_offload="off").cpu_offload is False and Knobs(cpu_offload="yes").cpu_offload is True
+    assert Knobs.from_mapping({"precision": "bf16-mixed", "shards": 2}) == Knobs("bf16-mixed", shards=2)
+    with pytest.raises(ValueError, match=r"Unknown `knobs` fields \['layers'\]; valid fields: precision, attn_impl"):
+        Knobs.from_mapping({"layers": 2})
+    with pytest.raises(TypeError, match=r"`knobs` must be a mapping of precision, .*, got 'full' \(str\)"):
+        Knobs.from_mapping("full")
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"safety_margin": 1.5}, ValueError, "`safety_margin` must be a number ≥ 0 and < 1, got 1.5"),
+        ({"safety_margin": -0.1}, ValueError, "`safety_margin` must be a number ≥ 0 and < 1, got -0.1"),
+        ({"safety_margin": "abc"}, TypeError, "`safety_margin` must be a number ≥ 0 and < 1, got 'abc' (str)"),
+        ({"devices": 0}, ValueError, "`devices` must be an integer ≥ 1, got 0"),
+        ({"devices": "4"}, TypeError, "`devices` must be an integer ≥ 1, got '4' (str)"),
+        ({"devices": True}, TypeError, "`devices` must be an integer ≥ 1, got True (bool)"),
+        ({"verify": -1}, ValueError, "`verify` must be an integer ≥ 0, got -1"),
+        ({"devices": 4, "shards": [1, 8]}, ValueError, "`shards` entry 8 must be an int from 1 to `devices`=4"),
+        ({"devices": 4, "shards": 4}, ValueError, "`shards` must be a non-empty sequence (a list or tuple), got 4"),
+        ({"cpu_offload": ()}, ValueError, "`cpu_offload`=() must be a non-empty sequence of True / False"),
+        ({"cpu_offload": True}, ValueError, "`cpu_offload`=True must be a non-empty sequence of True / False"),
+        ({"cpu_offload": ["maybe"]}, ValueError, "`cpu_offload` must be true or false, got 'maybe' (str)"),
+        ({"precisions": ["fp8"]}, ValueError, "`precisions` entry 'fp8' is not one of ['32-true', 'bf16-mixed'"),
+        ({"precisions": "bf16-mixed"}, ValueError, "`precisions` must be a non-empty sequence (a list or tuple)"),
+        ({"attn_impls": ["flash"]}, ValueError, "`attn_impls` entry 'flash' is not one of ['sdpa', 'math', None]"),
+        ({"micro_batching": "maybe"}, ValueError, "`micro_batching` must be true, false or null, got 'maybe'"),
+        ({"gather_as_stored": "maybe"}, ValueError, "`gather_as_stored` must be true or false, got 'maybe'"),
+        ({"options": ["smaller"]}, TypeError, "`options` entry 'smaller' must be a ResultChangingOption"),
+    ],
+)
+def test_bad_plan_arguments_are_named(options, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        _plan(8.0, **options)
+
+
+@pytest.mark.parametrize(
+    ("hardware", "budget", "error", "message"),
+    [
+        (gpu("t4_16gb"), 0, ValueError, "`budget` must be a number > 0, got 0"),
+        (gpu("t4_16gb"), -2, ValueError, "`budget` must be a number > 0, got -2"),
+        (gpu("t4_16gb"), "abc", TypeError, "`budget` must be a number > 0, got 'abc' (str)"),  # memopt-plan budget=abc
+        (gpu("t4_16gb"), True, TypeError, "`budget` must be a number > 0, got True (bool)"),
+        ("t4_16gb", 8, TypeError, "`hardware` must be a Hardware (gpu(name), cuda_hardware(device)"),
+    ],
+)
+def test_bad_budgets_are_named(hardware, budget, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        with_budget(hardware, budget)
+
+
+def test_plan_refuses_a_name_where_an_object_is_wanted():
+    with pytest.raises(TypeError, match=re.escape("`hardware` must be a Hardware (gpu(name), with_budget(...)")):
+        plan(_model, BATCH, "t4_16gb", loss_fn=_loss, optimizer=_optimizer)
+    with pytest.raises(TypeError, match=re.escape("`loss_fn` must be a function or None, got 'mse' (str)")):
+        plan(_model, BATCH, gpu("t4_16gb"), loss_fn="mse", optimizer=_optimizer)
+    with pytest.raises(TypeError, match=re.escape("`model` must be an nn.Module or a function building one, got str")):
+        plan("r18", BATCH, gpu("t4_16gb"), loss_fn=_loss, optimizer=_optimizer)
 
 
 def test_the_chart_is_written(tmp_path):

@@ -37,6 +37,10 @@ def test_auto_is_a_valid_entry_and_hydra_containers_work():
         ([{"begin": 0, "precision": "32-true"}], r"needs the keys start and precision.*unknown keys: \['begin'\]"),
         (["32-true"], r"must be a \[start, precision\] pair"),
         ({}, r"`schedule` is empty"),
+        (5, r"`schedule` must be \{start: precision\} or a list .*, got 5 \(int\)"),
+        ("bf16-mixed", r"`schedule` must be \{start: precision\} or a list .*, got 'bf16-mixed' \(str\)"),
+        ({"abc": "32-true"}, r"`schedule` start 'abc' must be a step or epoch number ≥ 0"),
+        ({True: "32-true"}, r"`schedule` start True must be a step or epoch number ≥ 0"),
     ],
 )  # fmt: skip
 def test_bad_schedules_say_what_is_wrong(entries, message):

@@ -3,6 +3,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from hydra.utils import instantiate
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -93,13 +94,42 @@ def test_parameters_held_by_the_lightning_module_itself_are_refused():
             lambda: MemoptFSDPStrategy(param_dtype="fp8"),
             r"unknown `param_dtype`='fp8'; valid choices: auto, bf16, fp16",
         ),
-        (lambda: MemoptFSDPStrategy(cpu_offload="yes"), r"`cpu_offload`='yes' must be True or False"),
-        (lambda: MemoptFSDPStrategy(reshard_after_forward=1), r"`reshard_after_forward`=1 must be True or False"),
+        (lambda: MemoptFSDPStrategy(cpu_offload="maybe"), r"`cpu_offload` must be true or false, got 'maybe' \(str\)"),
+        (lambda: MemoptFSDPStrategy(cpu_offload=None), r"`cpu_offload` must be true or false, got None"),
+        (
+            lambda: MemoptFSDPStrategy(reshard_after_forward=2),
+            r"`reshard_after_forward` must be true or false, got 2 \(int\)",
+        ),
+        (
+            lambda: MemoptFSDPStrategy(save_distributed_checkpoint="folder"),
+            r"`save_distributed_checkpoint` must be true or false, got 'folder' \(str\)",
+        ),
+        (lambda: MemoptFSDPStrategy(blocks=12), r"`blocks`=12 must be 'auto'"),
+        (lambda: MemoptFSDPStrategy(process_group_backend=5), r"`process_group_backend` must be a backend name"),
+        (lambda: MemoptFSDPStrategy(timeout=30), r"`timeout` must be a datetime.timedelta or None, got 30 \(int\)"),
     ],
 )
 def test_bad_input(build, message):
-    with pytest.raises(MisconfigurationException, match=message):
+    with pytest.raises(MisconfigurationException, match="^MemoptFSDPStrategy: " + message):
         build()
+
+
+def test_the_config_flags_read_words_not_truthiness(compose_train):
+    cfg = compose_train(
+        "strategy=fsdp_memopt", "trainer.strategy.cpu_offload=off", "trainer.strategy.reshard_after_forward=no"
+    )
+    strategy = instantiate(cfg.trainer.strategy)
+    assert strategy.cpu_offload is False and strategy.reshard_after_forward is False
+    refused = compose_train("strategy=ddp_powersgd", "trainer.strategy.powersgd_rank=abc")
+    with pytest.raises(Exception, match=r"MemoptDDPStrategy: `powersgd_rank` must be an integer ≥ 1, got 'abc'"):
+        instantiate(refused.trainer.strategy)
+
+
+@pytest.mark.parametrize(("word", "expected"), [("off", False), ("no", False), ("0", False), ("on", True), (1, True)])
+def test_the_flags_read_words_not_truthiness(word, expected):
+    strategy = MemoptFSDPStrategy(cpu_offload=word, reshard_after_forward=word, save_distributed_checkpoint=word)
+    assert strategy.cpu_offload is expected and strategy.reshard_after_forward is expected
+    assert strategy._save_distributed_checkpoint is expected
 
 
 def test_the_mixed_precision_policy_follows_the_precision():

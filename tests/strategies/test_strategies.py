@@ -35,15 +35,44 @@ def test_registered_names_build_the_presets(name, hook):
             lambda: MemoptDDPStrategy(comm_hook="zip"),
             r"Unknown `comm_hook`='zip'; valid choices: none, allreduce, fp16",
         ),
-        (lambda: MemoptDDPStrategy(powersgd_rank=0), r"`powersgd_rank`=0 must be an int ≥ 1"),
-        (lambda: MemoptDDPStrategy(powersgd_warmup=1), r"`powersgd_warmup`=1 must be an int ≥ 2"),
+        (lambda: MemoptDDPStrategy(comm_hook=["fp16"]), r"Unknown `comm_hook`=\['fp16'\]; valid choices: none"),
+        (lambda: MemoptDDPStrategy(powersgd_rank=0), r"`powersgd_rank` must be an integer ≥ 1, got 0"),
+        (lambda: MemoptDDPStrategy(powersgd_rank=-4), r"`powersgd_rank` must be an integer ≥ 1, got -4"),
+        (lambda: MemoptDDPStrategy(powersgd_rank="2"), r"`powersgd_rank` must be an integer ≥ 1, got '2' \(str\)"),
+        (lambda: MemoptDDPStrategy(powersgd_rank=True), r"`powersgd_rank` must be an integer ≥ 1, got True \(bool\)"),
+        (lambda: MemoptDDPStrategy(powersgd_warmup=1), r"`powersgd_warmup` must be an integer ≥ 2, got 1: PowerSGD"),
+        (lambda: MemoptDDPStrategy(error_feedback="maybe"), r"`error_feedback` must be true or false, got 'maybe'"),
+        (lambda: MemoptDDPStrategy(static_graph="maybe"), r"`static_graph` must be true, false or null, got 'maybe'"),
+        (
+            lambda: MemoptDDPStrategy(gradient_as_bucket_view=2),
+            r"`gradient_as_bucket_view` must be true or false, got 2 \(int\)",
+        ),
+        (
+            lambda: MemoptDDPStrategy(find_unused_parameters="sometimes"),
+            r"`find_unused_parameters` must be true or false, got 'sometimes' \(str\)",
+        ),
         (lambda: MemoptDDPStrategy(ddp_comm_hook=print), r"give `comm_hook` \(one of none, .*\), not `ddp_comm_hook`"),
         (lambda: MemoptDDPStrategy(model_averaging_period=4), "not `model_averaging_period`"),
     ],
 )
 def test_bad_input(build, message):
-    with pytest.raises(MisconfigurationException, match=message):
+    with pytest.raises(MisconfigurationException, match=message) as caught:
         build()
+    assert str(caught.value).startswith("MemoptDDPStrategy")
+
+
+def test_flags_from_a_config_are_read_as_words():
+    strategy = MemoptDDPStrategy(
+        comm_hook="powersgd",
+        powersgd_warmup=100.0,
+        error_feedback="off",
+        static_graph="no",
+        gradient_as_bucket_view="false",
+        find_unused_parameters="off",
+    )
+    assert strategy._powersgd_options == {"powersgd_rank": 1, "powersgd_warmup": 100, "error_feedback": False}
+    assert strategy.static_graph is False and strategy._ddp_kwargs["gradient_as_bucket_view"] is False
+    assert strategy._ddp_kwargs["find_unused_parameters"] is False
 
 
 def test_comm_hook_by_name():

@@ -1,10 +1,11 @@
 import lightning.pytorch as pl
 import pytest
 import torch
+from hydra.utils import instantiate
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt.tasks import FaceRecognitionModule
-from tests.helpers import quiet_trainer
+from tests.helpers import TINY_FACE, quiet_trainer
 
 
 def _clustered_faces(num_classes=4, per_class=8, size=32, seed=0):
@@ -149,12 +150,78 @@ def test_bf16_mixed_keeps_the_loss_in_fp32(tmp_path):
     [
         ({"optimizer": "lamb"}, r"Unknown `optimizer`='lamb'; valid choices: sgd, adamw"),
         ({"schedule": "step"}, r"Unknown `schedule`='step'; valid choices: polynomial, cosine, constant"),
-        ({"warmup_steps": -5}, r"`warmup_steps`=-5 must be in"),
+        ({"optimizer": ["sgd"]}, r"Unknown `optimizer`=\['sgd'\]; valid choices: sgd, adamw"),
+        ({"warmup_steps": -5}, r"`warmup_steps` must be an integer ≥ 0, got -5"),
+        ({"lr": -0.1}, r"`lr` must be a number > 0, got -0.1"),
+        ({"momentum": -0.9}, r"`momentum` must be a number ≥ 0, got -0.9"),
+        ({"weight_decay": -1}, r"`weight_decay` must be a number ≥ 0, got -1"),
+        ({"betas": [0.9, 1.0]}, r"`betas` must be a number ≥ 0 and < 1, got 1.0"),
+        ({"power": 0}, r"`power` must be a number > 0, got 0"),
+        ({"scale": -64}, r"`scale` must be a number > 0, got -64"),
+        ({"num_classes": 0}, r"`num_classes` must be an integer ≥ 1, got 0"),
+        ({"clip_backbone_only": "maybe"}, r"`clip_backbone_only` must be true or false, got 'maybe' \(str\)"),
+        ({"hard_sample_weighting": 2}, r"`hard_sample_weighting` must be true or false, got 2 \(int\)"),
+        ({"pretrained_weights_only": "perhaps"}, r"`pretrained_weights_only` must be true or false, got 'perhaps'"),
+        ({"retrieval_options": {"chunk_size": -1}}, r"`chunk_size` must be an integer ≥ 1, got -1"),
+        ({"retrieval_options": {"embeddings_on_cpu": "maybe"}}, r"`embeddings_on_cpu` must be true or false"),
+        ({"verification_options": {"far_targets": [2.0]}}, r"`far_targets` must be a number > 0 and ≤ 1, got 2.0"),
     ],
 )
 def test_bad_optimisation_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         _module(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": "fast"}, r"`lr` must be a number > 0, got 'fast' \(str\)"),
+        ({"warmup_steps": "100"}, r"`warmup_steps` must be an integer ≥ 0, got '100' \(str\)"),
+        ({"warmup_steps": True}, r"`warmup_steps` must be an integer ≥ 0, got True \(bool\)"),
+        ({"warmup_steps": 2.5}, r"`warmup_steps` must be an integer ≥ 0, got 2.5 \(float\)"),
+        ({"num_classes": "ten"}, r"`num_classes` must be an integer ≥ 1, got 'ten' \(str\)"),
+        ({"sample_rate": "half"}, r"`sample_rate` must be a number, got 'half' \(str\)"),
+        ({"em_iterations": "10"}, r"`em_iterations` must be an integer ≥ 1, got '10' \(str\)"),
+        ({"topo_input_size": True}, r"`topo_input_size` must be an integer ≥ 1, got True \(bool\)"),
+        ({"betas": 0.9}, r"`betas` must be two numbers in \[0, 1\), e.g. \[0.9, 0.999\], got 0.9"),
+        ({"backbone": ["r18"]}, r"`backbone` must be a preset name .*, got \['r18'\] \(list\)"),
+        (
+            {"backbone_options": "small"},
+            r"`backbone_options` must be a mapping of keyword options or None, got 'small'",
+        ),
+        ({"retrieval_options": {"chunk_size": "big"}}, r"`chunk_size` must be an integer ≥ 1, got 'big' \(str\)"),
+        ({"verification_options": {"folds": "ten"}}, r"`folds` must be an integer ≥ 2, got 'ten' \(str\)"),
+        ({"verification_options": {"far_targets": "1e-3"}}, r"`far_targets` must be a list of FARs in \(0, 1\]"),
+        ({"pretrained": 5}, r"`pretrained` must be a path, got 5 \(int\)"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_refused_at_construction(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        _module(**kwargs)
+
+
+def test_flags_are_read_as_words_not_truth_values():
+    module = _module(clip_backbone_only="off", hard_sample_weighting="no", pretrained_weights_only="yes")
+    assert module.hparams["clip_backbone_only"] is False and module.hparams["hard_sample_weighting"] is False
+    module = _module(clip_backbone_only="on", warmup_steps=10.0, lr=1)
+    assert module.hparams["clip_backbone_only"] is True
+    assert module.hparams["warmup_steps"] == 10 and isinstance(module.hparams["warmup_steps"], int)
+    assert module.hparams["lr"] == 1.0 and isinstance(module.hparams["lr"], float)
+
+
+def test_the_model_config_reads_words_and_refuses_the_rest(compose_train):
+    overrides = ["model.clip_backbone_only=off", "model.retrieval_options.embeddings_on_cpu=on", "model.lr=1"]
+    module = instantiate(compose_train(*TINY_FACE, *overrides).model)
+    assert module.hparams["clip_backbone_only"] is False and module.val_retrieval.embeddings_on_cpu is True
+    with pytest.raises(Exception, match=r"`warmup_steps` must be an integer ≥ 0, got 'abc' \(str\)"):
+        instantiate(compose_train(*TINY_FACE, "model.warmup_steps=abc").model)
+
+
+def test_a_missing_or_folder_pretrained_file_is_named_before_the_model_is_built(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"checkpoint file '/nowhere/a.pth' does not exist \(`pretrained`\)"):
+        _module(pretrained="/nowhere/a.pth")
+    with pytest.raises(IsADirectoryError, match=r"`pretrained_backbone`: '.*' is a folder, not a file"):
+        _module(pretrained_backbone=tmp_path)
 
 
 def test_validation_logs_retrieval_and_verification_exactly(tmp_path):
@@ -205,7 +272,7 @@ def test_metric_options_reach_the_validation_metrics():
     assert (verification.folds, verification.far_targets) == (5, (0.01,))
     with pytest.raises(ValueError, match="Unknown `backend`='annoy'; valid choices: torch, faiss"):
         _module(retrieval_options={"backend": "annoy"})
-    with pytest.raises(ValueError, match="`folds`=1 must be an int ≥ 2"):
+    with pytest.raises(ValueError, match="`folds` must be an integer ≥ 2, got 1"):
         _module(verification_options={"folds": 1})
 
 
@@ -238,10 +305,10 @@ def test_topofr_run_logs_both_losses_and_warns_under_micro_batches(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"topo_weight": -0.1}, r"`topo_weight`=-0.1 must be ≥ 0"),
+        ({"topo_weight": -0.1}, r"`topo_weight` must be a number ≥ 0, got -0.1"),
         ({"topo_variant": "bottleneck"}, r"Unknown `topo_variant`='bottleneck'; valid choices: diagram, symmetric"),
-        ({"topo_input_size": 0}, r"`topo_input_size`=0 must be None \(the full images\) or an int ≥ 1"),
-        ({"em_iterations": 0}, r"`em_iterations`=0 must be an int ≥ 1"),
+        ({"topo_input_size": 0}, r"`topo_input_size` must be an integer ≥ 1, got 0"),
+        ({"em_iterations": 0}, r"`em_iterations` must be an integer ≥ 1, got 0"),
     ],
 )
 def test_bad_topology_options(kwargs, message):

@@ -25,9 +25,25 @@ def test_cosine_decay_and_constant():
     [
         ({"total_steps": 10, "schedule": "step"}, r"Unknown `schedule`='step'; valid choices: polynomial, cosine"),
         ({"total_steps": 10, "warmup_steps": 10}, r"`warmup_steps`=10 must be in \[0, total_steps=10\)"),
-        ({"total_steps": 10, "warmup_steps": -1}, r"`warmup_steps`=-1"),
+        ({"total_steps": 10, "warmup_steps": -1}, r"`warmup_steps`=-1 must be in \[0, total_steps=10\)"),
+        ({"total_steps": 10, "power": 0}, r"`power` must be a number > 0, got 0"),
+        ({"total_steps": 10, "schedule": None}, r"Unknown `schedule`=None; valid choices: polynomial"),
     ],
 )
 def test_bad_schedule_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
+        warmup_decay(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"total_steps": "10"}, r"`total_steps` must be an integer ≥ 0, got '10' \(str\)"),
+        ({"total_steps": 10, "warmup_steps": "2"}, r"`warmup_steps` must be an integer, got '2' \(str\)"),
+        ({"total_steps": 10, "warmup_steps": True}, r"`warmup_steps` must be an integer, got True \(bool\)"),
+        ({"total_steps": 10, "power": "2"}, r"`power` must be a number > 0, got '2' \(str\)"),
+    ],
+)
+def test_schedule_arguments_of_the_wrong_type(kwargs, message):
+    with pytest.raises(TypeError, match=message):
         warmup_decay(**kwargs)

@@ -136,9 +136,19 @@ def test_angular_error_states_merge_like_ranks_of_a_distributed_run():
         torch.testing.assert_close(rank0.compute()[key], value)
 
 
-def test_angular_error_refuses_bad_bins():
-    with pytest.raises(ValueError, match=r"`bin_width`=0 must be in \(0, 180\]"):
-        AngularError(bin_width=0)
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"bin_width": 0}, ValueError, r"`bin_width` must be a number > 0 and ≤ 180, got 0"),
+        ({"bin_width": "fine"}, TypeError, r"`bin_width` must be a number > 0 and ≤ 180, got 'fine' \(str\)"),
+        ({"thresholds": [11.25, -1]}, ValueError, r"`thresholds` must be a number > 0, got -1"),
+        ({"thresholds": "11.25"}, TypeError, r"`thresholds` must be a non-empty list of angles in degrees"),
+        ({"thresholds": []}, TypeError, r"`thresholds` must be a non-empty list of angles in degrees, got \[\]"),
+    ],
+)
+def test_angular_error_refuses_bad_bins(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        AngularError(**kwargs)
 
 
 def _group_of(groups):
@@ -252,15 +262,35 @@ def test_checkpoint_reloads_the_same_network(tmp_path):
     ("kwargs", "message"),
     [
         ({"backbone": "iresnet_tiny"}, r"`backbone`='iresnet_tiny' is not a normal-estimation network"),
-        ({"layer_decay": 0.0}, r"`layer_decay`=0.0 must be in \(0, 1\]"),
-        ({"lr": 0.0}, r"`lr`=0.0 must be positive"),
-        ({"cosine_weight": 0.0, "l1_weight": 0.0}, r"must be non-negative, not both 0"),
-        ({"schedule": "step"}, r"Unknown `schedule`='step'"),
+        ({"layer_decay": 0.0}, r"`layer_decay` must be a number > 0 and ≤ 1, got 0.0"),
+        ({"layer_decay": 1.5}, r"`layer_decay` must be a number > 0 and ≤ 1, got 1.5"),
+        ({"lr": 0.0}, r"`lr` must be a number > 0, got 0.0"),
+        ({"cosine_weight": 0.0, "l1_weight": 0.0}, r"`cosine_weight` and `l1_weight` are both 0"),
+        ({"l1_weight": -1.0}, r"`l1_weight` must be a number ≥ 0, got -1.0"),
+        ({"warmup_steps": -1}, r"`warmup_steps` must be an integer ≥ 0, got -1"),
+        ({"schedule": "step"}, r"Unknown `schedule`='step'; valid choices: polynomial, cosine, constant"),
+        ({"pretrained_weights_only": "maybe"}, r"`pretrained_weights_only` must be true or false, got 'maybe'"),
         ({"backbone_options": {"attn_impl": "flash"}}, r"Unknown `attn_impl`='flash'; valid choices: sdpa, math"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
+        _module(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": "abc"}, r"`lr` must be a number > 0, got 'abc' \(str\)"),
+        ({"warmup_steps": "400"}, r"`warmup_steps` must be an integer ≥ 0, got '400' \(str\)"),
+        ({"warmup_steps": False}, r"`warmup_steps` must be an integer ≥ 0, got False \(bool\)"),
+        ({"layer_decay": None}, r"`layer_decay` must be a number > 0 and ≤ 1, got None \(NoneType\)"),
+        ({"betas": "0.9,0.999"}, r"`betas` must be two numbers in \[0, 1\)"),
+        ({"backbone_options": ["patch_size", 16]}, r"`backbone_options` must be a mapping of keyword options"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_refused(kwargs, message):
+    with pytest.raises(TypeError, match=message):
         _module(**kwargs)
 
 

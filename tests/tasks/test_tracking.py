@@ -165,9 +165,14 @@ def test_validation_logs_loss_and_tap_vid_metrics(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"gamma": 0.0}, r"`gamma`=0.0 must be in \(0, 1\]"),
-        ({"huber_delta": -1.0}, r"`huber_delta`=-1.0 must be positive"),
-        ({"visibility_weight": -0.5}, r"`visibility_weight`=-0.5 must be at least 0"),
+        ({"gamma": 0.0}, r"`gamma` must be a number > 0 and ≤ 1, got 0.0"),
+        ({"gamma": 1.2}, r"`gamma` must be a number > 0 and ≤ 1, got 1.2"),
+        ({"huber_delta": -1.0}, r"`huber_delta` must be a number > 0, got -1.0"),
+        ({"visibility_weight": -0.5}, r"`visibility_weight` must be a number ≥ 0, got -0.5"),
+        ({"confidence_threshold": 0}, r"`confidence_threshold` must be a number > 0, got 0"),
+        ({"lr": -1e-4}, r"`lr` must be a number > 0, got -0.0001"),
+        ({"warmup_steps": -3}, r"`warmup_steps` must be an integer ≥ 0, got -3"),
+        ({"pretrained_weights_only": "sure"}, r"`pretrained_weights_only` must be true or false, got 'sure'"),
         ({"schedule": "step"}, r"Unknown `schedule`='step'; valid choices: polynomial, cosine, constant"),
         ({"backbone": "cotracker9"}, r"Unknown model preset `name`='cotracker9'"),
         ({"backbone_options": {"attn_impl": "xformers"}}, r"Unknown `attn_impl`='xformers'; valid choices: sdpa, math"),
@@ -176,6 +181,23 @@ def test_validation_logs_loss_and_tap_vid_metrics(tmp_path):
 def test_bad_arguments_are_refused(kwargs, message):
     options = {"backbone": "cotracker2_tiny", **kwargs}
     with pytest.raises(ValueError, match=message):
+        TrackingModule(**options)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"gamma": "0.8"}, r"`gamma` must be a number > 0 and ≤ 1, got '0.8' \(str\)"),
+        ({"huber_delta": True}, r"`huber_delta` must be a number > 0, got True \(bool\)"),
+        ({"warmup_steps": "ten"}, r"`warmup_steps` must be an integer ≥ 0, got 'ten' \(str\)"),
+        ({"power": "square"}, r"`power` must be a number > 0, got 'square' \(str\)"),
+        ({"betas": [0.9]}, r"`betas` must be two numbers in \[0, 1\)"),
+        ({"backbone": None}, r"`backbone` must be a preset name .*, got None \(NoneType\)"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_refused(kwargs, message):
+    options = {"backbone": "cotracker2_tiny", **kwargs}
+    with pytest.raises(TypeError, match=message):
         TrackingModule(**options)
 
 

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from lightning_memopt.arguments import check_bool, check_float, check_int, check_optional_int
+
 METRICS = ("cosine", "euclidean")
 BACKENDS = ("torch", "faiss")
 DEFAULT_MEMORY = 2**30  # bytes of scores per chunk when neither a chunk nor a budget is given
@@ -27,16 +29,29 @@ def chunk_rows(num_references: int, k: int, max_memory: int) -> int:
     return max(1, int(max_memory) // per_row)
 
 
-def check_search_options(metric: str, backend: str, chunk_size: int | None, max_memory: int | None) -> None:
-    """Raise ``ValueError`` naming the first bad search option: metric, backend, chunk size or memory budget."""
-    if metric not in METRICS:
+def check_search_options(
+    metric: str, backend: str, chunk_size: int | None, max_memory: int | None
+) -> tuple[int | None, int | None]:
+    """``(chunk_size, max_memory)`` as ints; raise naming the first bad search option.
+
+    Raises:
+        ValueError: an unknown metric or backend, a chunk size below 1 or a memory budget ≤ 0.
+        TypeError: a chunk size or memory budget that is no number (``"abc"``, ``True``).
+
+    Example::
+
+        >>> check_search_options("cosine", "torch", None, 1e9)
+        (None, 1000000000)
+    """
+    if not isinstance(metric, str) or metric not in METRICS:
         raise ValueError(f"Unknown `metric`={metric!r}; valid choices: {', '.join(METRICS)}")
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"Unknown `backend`={backend!r}; valid choices: {', '.join(BACKENDS)}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"`chunk_size`={chunk_size!r} must be an int ≥ 1")
-    if max_memory is not None:
-        chunk_rows(1, 1, max_memory)  # raises for a non-positive budget
+    chunk_size = check_optional_int("chunk_size", chunk_size, minimum=1)
+    if max_memory is not None:  # bytes: 1e9 from a config is a count too
+        max_memory = int(check_float("max_memory", max_memory, minimum=0, open_minimum=True))
+        chunk_rows(1, 1, max_memory)  # raises for a budget below one byte
+    return chunk_size, max_memory
 
 
 def check_embeddings(query: torch.Tensor, reference: torch.Tensor) -> None:
@@ -93,13 +108,13 @@ def knn(
         >>> indices.flatten().tolist()  # [1, 0] and [0, 1] tie for the third: the lower index wins
         [2, 2, 0]
     """
-    check_search_options(metric, backend, chunk_size, max_memory)
+    chunk_size, max_memory = check_search_options(metric, backend, chunk_size, max_memory)
     check_embeddings(query, reference)
+    exclude_self = check_bool("exclude_self", exclude_self)
     available = reference.shape[0] - (1 if exclude_self else 0)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= available:
         raise ValueError(f"`k`={k!r} must be an int in [1, {available}] ({reference.shape[0]} references)")
-    if query_offset < 0:
-        raise ValueError(f"`query_offset`={query_offset!r} must be ≥ 0")
+    query_offset = check_int("query_offset", query_offset, minimum=0)
     if query.shape[0] == 0:
         return query.new_zeros(0, k), torch.zeros(0, k, dtype=torch.long, device=query.device)
     if exclude_self and query_offset + query.shape[0] > reference.shape[0]:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import torch
+
+from lightning_memopt.arguments import check_float
 
 
 def _check(scores: torch.Tensor, same: torch.Tensor) -> None:
@@ -66,6 +69,21 @@ def verification_accuracy(scores: torch.Tensor, same: torch.Tensor, folds: int =
     return sum(accuracies) / folds, (sum(finite) / len(finite)) if finite else float("inf")
 
 
+def check_far(far: Any, argument: str = "far") -> float:
+    """``far`` as a float in (0, 1]: a false-accept rate; ``argument`` names it in errors.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: outside (0, 1].
+
+    Example::
+
+        >>> check_far(1e-3)
+        0.001
+    """
+    return check_float(argument, far, minimum=0, open_minimum=True, maximum=1)
+
+
 def tar_at_far(scores: torch.Tensor, same: torch.Tensor, far: float) -> float:
     """True-accept rate at the threshold where at most ``far`` of the different-identity pairs are accepted.
 
@@ -82,8 +100,7 @@ def tar_at_far(scores: torch.Tensor, same: torch.Tensor, far: float) -> float:
         0.5
     """
     _check(scores, same)
-    if not 0 < far <= 1:
-        raise ValueError(f"`far`={far!r} must be in (0, 1]")
+    far = check_far(far)
     negatives, positives = scores[~same].double(), scores[same].double()
     if negatives.numel() == 0 or positives.numel() == 0:
         raise ValueError(

@@ -1,0 +1,147 @@
+"""How the apps end: one line naming what is wrong for a bad input, a traceback only for a fault of ours.
+
+Exit status, the same for every app:
+
+- ``0``: done.
+- ``1``: an unexpected error (a fault, not the input): Hydra prints its traceback.
+- ``2``: the input cannot run — a config key or group that does not exist, a bad value (its name, the
+  value and the valid choices), a missing or unreadable file, a plan that fits nothing, a step too big
+  even for one sample. One line on stderr, no traceback.
+- ``130``: stopped with Ctrl-C (``memopt-train`` saves ``last.ckpt`` first).
+
+``--debug`` on the command line (or ``HYDRA_FULL_ERROR=1``) shows the traceback of a bad input too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+from hydra.errors import HydraException, InstantiationException
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from omegaconf.errors import OmegaConfBaseException
+
+from lightning_memopt.accumulation import SampleOutOfMemoryError
+from lightning_memopt.arguments import InputError
+
+# What torch puts into the message of an error re-raised from a DataLoader worker, before the worker's traceback
+WORKER_TRACEBACK = "Original Traceback (most recent call last)"
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+# Errors that always mean a bad input: worded for the user (Lightning's configuration errors, Hydra's and
+# OmegaConf's, ours for a step too large or for malformed data, a missing file or package)
+_WORDED_FOR_USERS: tuple[type[BaseException], ...] = (
+    MisconfigurationException,
+    OmegaConfBaseException,
+    HydraException,
+    SampleOutOfMemoryError,
+    InputError,
+    FileNotFoundError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+    ModuleNotFoundError,  # an optional package missing (faiss, prometheus_client, torch_xla for accelerator=tpu)
+)
+
+
+def debugging() -> bool:
+    """True when tracebacks were asked for (``--debug`` or ``HYDRA_FULL_ERROR=1``)."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def fail(app: str, message: str) -> NoReturn:
+    """Print ``app: message`` on stderr and exit with status 2."""
+    print(f"{app}: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _input_error(error: BaseException, building: bool) -> BaseException | None:
+    """The bad-input error behind ``error`` (Hydra wraps what a constructor raises), else ``None``.
+
+    A ``ValueError`` / ``TypeError`` is a bad input while the run is being built (constructors check their
+    arguments), and later only when it names an argument (in backticks, as our checks and Lightning's do);
+    elsewhere it is a fault (a shape error in a training step) and keeps its traceback.
+    """
+    while isinstance(error, InstantiationException) and error.__cause__ is not None:
+        error = error.__cause__
+    if isinstance(error, _WORDED_FOR_USERS):
+        return error
+    if isinstance(error, ValueError | TypeError) and (building or "`" in str(error)):
+        return error
+    return None
+
+
+@contextmanager
+def input_errors(app: str, building: bool = False) -> Iterator[None]:
+    """End a bad input's error with one line and exit status 2 (re-raised as it is with ``--debug``).
+
+    Args:
+        app: the name the line starts with.
+        building: the block builds the run from its config (any ``ValueError`` / ``TypeError`` is then the
+            input's); otherwise it runs it.
+
+    Example::
+
+        >>> with input_errors("memopt-demo"):  # doctest: +SKIP
+        ...     raise ValueError("`batch_size` must be an integer ≥ 1, got 'abc' (str)")
+    """
+    try:
+        yield
+    except Exception as error:
+        cause = _input_error(error, building)
+        if cause is None or debugging():
+            raise
+        fail(app, describe(cause))
+
+
+def describe(error: BaseException) -> str:
+    """One line for ``error``. A generic one that names no argument (our checks quote names in backticks) gets
+    its type and a pointer to ``--debug``.
+
+    Example::
+
+        >>> describe(ValueError("`batch_size` must be an integer ≥ 1, got 0"))
+        '`batch_size` must be an integer ≥ 1, got 0'
+        >>> describe(TypeError("unsupported operand"))
+        'TypeError: unsupported operand (--debug shows where)'
+    """
+    text = str(error)
+    if WORKER_TRACEBACK in text:  # DataLoader workers re-raise with the worker's traceback in the message
+        text = text.rstrip().splitlines()[-1].split(": ", 1)[-1]
+    text = " ".join(text.split()) or type(error).__name__
+    if "`" in text or isinstance(error, _WORDED_FOR_USERS):
+        return text
+    return f"{type(error).__name__}: {text} (--debug shows where)"
+
+
+def run_hydra_app(app: str, hydra_main: Callable[[], Any]) -> None:
+    """Run a ``@hydra.main`` function as ``app``'s entry point with the exit statuses above.
+
+    Takes ``--debug`` off the command line (setting ``HYDRA_FULL_ERROR=1``). Hydra ends a config it
+    cannot compose (an unknown group option or key, a bad override) with its message and status 1
+    before the task starts; that is a bad input, so it becomes status 2.
+    """
+    if "--debug" in sys.argv[1:]:
+        sys.argv = [sys.argv[0], *(arg for arg in sys.argv[1:] if arg != "--debug")]
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+    started = _tasks_started
+    try:
+        hydra_main()
+    except SystemExit as stop:
+        if stop.code == 1 and _tasks_started == started and not debugging():
+            raise SystemExit(EXIT_BAD_INPUT) from None
+        raise
+
+
+_tasks_started = 0  # tasks Hydra started in this process: a config was composed
+
+
+def task_started() -> None:
+    """Mark that Hydra composed the config and called the task; call it first in a ``@hydra.main`` function."""
+    global _tasks_started
+    _tasks_started += 1

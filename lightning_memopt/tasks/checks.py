@@ -1,0 +1,126 @@
+"""Argument checks the task modules share: pretrained files, option mappings, optimiser and schedule settings.
+
+Each returns the value in its proper type or raises naming the argument, the bad value and what
+is valid (``TypeError`` for a value of the wrong kind, ``ValueError`` for one out of range,
+``FileNotFoundError`` for a missing file), before anything is built.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning_memopt.arguments import check_bool, check_file, check_float, check_fraction, check_int, check_path
+from lightning_memopt.tasks.lr_schedule import SCHEDULES
+
+
+def check_pretrained(
+    pretrained: Any, pretrained_backbone: Any, weights_only: Any
+) -> tuple[str | None, str | None, bool]:
+    """``(pretrained, pretrained_backbone, pretrained_weights_only)``: existing files (or ``None``) and a bool.
+
+    Raises:
+        TypeError: a path that is no string.
+        FileNotFoundError: no file there.
+        IsADirectoryError: a folder where the checkpoint file is expected.
+        ValueError: ``pretrained_weights_only`` neither a bool nor a word such as ``"on"`` / ``"off"``.
+
+    Example::
+
+        >>> check_pretrained(None, None, "no")
+        (None, None, False)
+    """
+    whole = _checkpoint_file("pretrained", pretrained)
+    backbone = _checkpoint_file("pretrained_backbone", pretrained_backbone)
+    return whole, backbone, check_bool("pretrained_weights_only", weights_only)
+
+
+def _checkpoint_file(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    path = check_path(name, value)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint file {path!r} does not exist (`{name}`)")
+    return check_file(name, path)
+
+
+def check_backbone(backbone: Any) -> str:
+    """``backbone`` if it is a string (whether it names a preset, :func:`~lightning_memopt.models.create_model` checks).
+
+    Raises:
+        TypeError: not a string.
+
+    Example::
+
+        >>> check_backbone("r18")
+        'r18'
+    """
+    if not isinstance(backbone, str):
+        raise TypeError(
+            f"`backbone` must be a preset name (lightning_memopt.models.list_models()), got {backbone!r} "
+            f"({type(backbone).__name__})"
+        )
+    return backbone
+
+
+def check_options(name: str, value: Any) -> dict[str, Any]:
+    """``value`` (keyword options for a part the task builds) as a dict; ``None`` is empty.
+
+    Raises:
+        TypeError: not a mapping.
+
+    Example::
+
+        >>> check_options("backbone_options", None), check_options("backbone_options", {"input_size": 32})
+        ({}, {'input_size': 32})
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"`{name}` must be a mapping of keyword options or None, got {value!r} ({type(value).__name__})"
+        )
+    return dict(value)
+
+
+def check_betas(betas: Any) -> tuple[float, float]:
+    """AdamW's ``betas``: two numbers in [0, 1).
+
+    Raises:
+        TypeError: not two numbers.
+        ValueError: a beta outside [0, 1).
+
+    Example::
+
+        >>> check_betas([0.9, 0.999])
+        (0.9, 0.999)
+    """
+    if isinstance(betas, str) or not isinstance(betas, Sequence) or len(betas) != 2:
+        raise TypeError(f"`betas` must be two numbers in [0, 1), e.g. [0.9, 0.999], got {betas!r}")
+    first, second = (check_fraction("betas", beta, open_maximum=True) for beta in betas)
+    return first, second
+
+
+def check_optimisation(
+    lr: Any, weight_decay: Any, warmup_steps: Any, schedule: Any, power: Any
+) -> tuple[float, float, int, str, float]:
+    """``(lr, weight_decay, warmup_steps, schedule, power)``: lr > 0, weight decay ≥ 0, warm-up ≥ 0 steps,
+    a known schedule and a decay exponent > 0.
+
+    Raises:
+        TypeError: a value that is no number (``lr="abc"``, ``warmup_steps=True``).
+        ValueError: a value out of range, or an unknown schedule (listing the schedules).
+
+    Example::
+
+        >>> check_optimisation(0.1, 0, 100.0, "cosine", 2)
+        (0.1, 0.0, 100, 'cosine', 2.0)
+    """
+    lr = check_float("lr", lr, minimum=0, open_minimum=True)
+    weight_decay = check_float("weight_decay", weight_decay, minimum=0)
+    warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+        raise ValueError(f"Unknown `schedule`={schedule!r}; valid choices: {', '.join(SCHEDULES)}")
+    power = check_float("power", power, minimum=0, open_minimum=True)
+    return lr, weight_decay, warmup_steps, schedule, power
