@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_memopt.arguments import check_bool, check_file, check_float, check_fraction, check_int, check_path
-from lightning_memopt.tasks.lr_schedule import SCHEDULES
+from lightning_memopt.tasks.lr_schedule import check_schedule
 
 
 def check_pretrained(
@@ -120,7 +120,6 @@ def check_optimisation(
     lr = check_float("lr", lr, minimum=0, open_minimum=True)
     weight_decay = check_float("weight_decay", weight_decay, minimum=0)
     warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
-    if not isinstance(schedule, str) or schedule not in SCHEDULES:
-        raise ValueError(f"Unknown `schedule`={schedule!r}; valid choices: {', '.join(SCHEDULES)}")
+    schedule = check_schedule(schedule)
     power = check_float("power", power, minimum=0, open_minimum=True)
     return lr, weight_decay, warmup_steps, schedule, power

@@ -14,6 +14,22 @@ from lightning_memopt.arguments import check_float, check_int
 SCHEDULES = ("polynomial", "cosine", "constant")
 
 
+def check_schedule(schedule: object) -> str:
+    """``schedule`` if it is one of :data:`SCHEDULES`.
+
+    Raises:
+        ValueError: naming the valid schedules.
+
+    Example::
+
+        >>> check_schedule("cosine")
+        'cosine'
+    """
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+        raise ValueError(f"Unknown `schedule`={schedule!r}; valid choices: {', '.join(SCHEDULES)}")
+    return schedule
+
+
 def warmup_decay(
     total_steps: int, warmup_steps: int = 0, schedule: str = "polynomial", power: float = 2.0
 ) -> Callable[[int], float]:
@@ -32,8 +48,7 @@ def warmup_decay(
         >>> [round(factor(s), 3) for s in (0, 1, 2, 6, 10)]
         [0.5, 1.0, 1.0, 0.5, 0.0]
     """
-    if not isinstance(schedule, str) or schedule not in SCHEDULES:
-        raise ValueError(f"Unknown `schedule`={schedule!r}; valid choices: {', '.join(SCHEDULES)}")
+    schedule = check_schedule(schedule)
     total_steps = check_int("total_steps", total_steps, minimum=0)
     warmup_steps = check_int("warmup_steps", warmup_steps)
     if not 0 <= warmup_steps < max(total_steps, 1):
