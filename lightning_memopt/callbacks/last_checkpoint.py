@@ -51,6 +51,11 @@ class LastCheckpoint(Callback):
         self._saved_step: int | None = None
         self._previous_handler: Any = None
 
+    @property
+    def stop_requested(self) -> bool:
+        """Whether Ctrl-C was pressed during the fit (once: a graceful stop; twice: Lightning stopped at once)."""
+        return self._stop_requested
+
     def path(self, trainer: Trainer) -> str:
         """Where the checkpoint goes for ``trainer``."""
         dirpath = self.dirpath if self.dirpath is not None else os.path.join(trainer.default_root_dir, "checkpoints")

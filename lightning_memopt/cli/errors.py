@@ -7,7 +7,8 @@ Exit status, the same for every app:
 - ``2``: the input cannot run — a config key or group that does not exist, a bad value (its name, the
   value and the valid choices), a missing or unreadable file, a plan that fits nothing, a step too big
   even for one sample. One line on stderr, no traceback.
-- ``130``: stopped with Ctrl-C (``memopt-train`` saves ``last.ckpt`` first).
+- ``130``: stopped with Ctrl-C (``memopt-train``: once, after the step in progress and saving ``last.ckpt``;
+  twice, at once).
 
 ``--debug`` on the command line (or ``HYDRA_FULL_ERROR=1``) shows the traceback of a bad input too.
 """

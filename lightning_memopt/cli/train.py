@@ -170,8 +170,14 @@ def fit(run: Run) -> FitSummary:
         KeyboardInterrupt: the fit was stopped with Ctrl-C (after ``last.ckpt`` was saved).
     """
     rank_zero_info(f"memopt-train: model={type(run.model).__name__} data={type(run.datamodule).__name__}")
-    run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=run.ckpt_path)
-    if any(isinstance(callback, LastCheckpoint) and callback.interrupted for callback in run.trainer.callbacks):
+    last_checkpoints = [callback for callback in run.trainer.callbacks if isinstance(callback, LastCheckpoint)]
+    try:
+        run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=run.ckpt_path)
+    except SystemExit:  # Lightning ends a fit stopped by a (second) Ctrl-C with status 1
+        if any(callback.stop_requested for callback in last_checkpoints):
+            raise KeyboardInterrupt from None
+        raise
+    if any(callback.interrupted for callback in last_checkpoints):
         raise KeyboardInterrupt
     return run.summary.summary
 
