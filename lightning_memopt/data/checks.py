@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_memopt.arguments import InputError, check_int, check_path
+from lightning_memopt.arguments import check_int, check_path
 
 
 def check_size_pair(name: str, value: Any, *, minimum: int = 1) -> tuple[int, int]:
@@ -37,7 +37,7 @@ def check_size_pair(name: str, value: Any, *, minimum: int = 1) -> tuple[int, in
     except TypeError:
         raise TypeError(f"`{name}` must be {wanted}, got {value!r}") from None
     if min(height, width) < minimum:
-        raise InputError(f"`{name}` must be {wanted}, got {value!r}")
+        raise ValueError(f"`{name}` must be {wanted}, got {value!r}")
     return height, width
 
 
@@ -72,7 +72,7 @@ def check_extensions(name: str, value: Any) -> tuple[str, ...]:
             f" ({type(value).__name__})"
         )
     if not value or not all(value):
-        raise InputError(f"`{name}` must be a non-empty list of non-empty file name endings, got {value!r}")
+        raise ValueError(f"`{name}` must be a non-empty list of non-empty file name endings, got {value!r}")
     return tuple(value)
 
 

@@ -74,7 +74,7 @@ def check_track_positions(
         source: what the message names (the clip's file).
 
     Raises:
-        ValueError: naming ``source``, the first offending frame and point, its position, the frame
+        InputError: naming ``source``, the first offending frame and point, its position, the frame
             size, the bounds and how many positions break them.
 
     Example::
@@ -84,7 +84,7 @@ def check_track_positions(
         >>> check_track_positions(tracks, np.array([[True, True]]), 8, 16, "'a.npz'")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: 'a.npz': point 1 is marked visible in frame 0 at (x, y) = (30, 2), outside the 16×8 (W×H) frame: ...
+        lightning_memopt.arguments.InputError: 'a.npz': point 1 is marked visible in frame 0 at (x, y) = (30, 2), outside the 16×8 (W×H) frame: ...
     """
     tracks = np.asarray(tracks, dtype=np.float64)
     visibility = np.asarray(visibility, dtype=bool)
@@ -134,7 +134,7 @@ def collate_tracking_samples(samples: Sequence[Mapping[str, Tensor]]) -> dict[st
     """Batch tracking samples (``torch``'s default collation) after checking that they share one size.
 
     Raises:
-        ValueError: the samples differ in frames, ``H×W`` or number of tracks; the message lists each
+        InputError: the samples differ in frames, ``H×W`` or number of tracks; the message lists each
             size with the samples of that size (their :attr:`TrackingSample.source`, else their
             position in the batch).
 
@@ -148,7 +148,7 @@ def collate_tracking_samples(samples: Sequence[Mapping[str, Tensor]]) -> dict[st
         >>> collate_tracking_samples([clip(3, "a.npz"), clip(5, "b.npz")])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: cannot batch tracking clips of different sizes: 3 frames of 4×4 (H×W), 2 tracks: a.npz; 5 ...
+        lightning_memopt.arguments.InputError: cannot batch tracking clips of different sizes: 3 frames of 4×4 (H×W), 2 tracks: a.npz; 5 ...
     """
     sizes = [(tuple(sample["video"].shape), tuple(sample["tracks"].shape)) for sample in samples]
     if len(set(sizes)) > 1:
