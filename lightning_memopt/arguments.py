@@ -238,6 +238,26 @@ def check_file(name: str, value: Any) -> str:
     return path
 
 
+def check_output_file(name: str, value: Any) -> str:
+    """``value`` as the path of a file to write: a path, not a folder (the file need not exist yet).
+
+    Raises:
+        TypeError: not a path.
+        IsADirectoryError: a folder.
+
+    Example::
+
+        >>> check_output_file("csv_path", ".")
+        Traceback (most recent call last):
+        ...
+        IsADirectoryError: `csv_path`: '.' is a folder; give the path of a file
+    """
+    path = check_path(name, value)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"`{name}`: {path!r} is a folder; give the path of a file")
+    return path
+
+
 def check_path(name: str, value: Any) -> str:
     """``value`` as a path string (a ``str`` or ``os.PathLike``), not checked on disk.
 

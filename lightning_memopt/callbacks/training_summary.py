@@ -14,6 +14,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_memopt.arguments import check_int, check_output_file
 from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.results_file import append_row
 
@@ -126,12 +127,15 @@ class TrainingSummary(Callback):
         csv_path: str | Path | None = None,
         label: str = "",
     ) -> None:
-        if memory_batch < 0:
+        try:
+            self.memory_batch = check_int("memory_batch", memory_batch)
+            self.csv_path = None if csv_path is None else Path(check_output_file("csv_path", csv_path))
+        except (TypeError, ValueError, OSError) as error:
+            raise MisconfigurationException(f"TrainingSummary: {error}") from None
+        if self.memory_batch < 0:
             raise MisconfigurationException(f"`memory_batch`={memory_batch!r} must be 0 or more")
-        self.loss_key = loss_key
-        self.memory_batch = memory_batch
-        self.csv_path = Path(csv_path) if csv_path is not None else None
-        self.label = label
+        self.loss_key = str(loss_key)
+        self.label = str(label)
         self.summary = FitSummary()
         self._stretch_started: float | None = None
         self._batches = 0

@@ -9,7 +9,6 @@ Examples (shell)::
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, open_dict
 
-from lightning_memopt.arguments import check_bool, check_float, check_int, check_path
+from lightning_memopt.arguments import check_bool, check_float, check_int, check_output_file
 from lightning_memopt.callbacks.last_checkpoint import LastCheckpoint
 from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
 from lightning_memopt.cli.config import config_dir, instantiate_named
@@ -149,8 +148,8 @@ def build_run(cfg: DictConfig) -> Run:
     model = instantiate(cfg.model)
     overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
     results_csv = cfg.get("results_csv")
-    if results_csv is not None and os.path.isdir(check_path("results_csv", results_csv)):
-        raise IsADirectoryError(f"`results_csv`: {results_csv!r} is a folder; give the path of a CSV file")
+    if results_csv is not None:  # checked here to name the key the user set
+        results_csv = check_output_file("results_csv", results_csv)
     summary = TrainingSummary(csv_path=results_csv, label=" ".join(overrides))
     callbacks = instantiate_named(cfg.get("callbacks"), "callbacks")
     callbacks += instantiate_named(cfg.memopt.get("callbacks"), "memopt.callbacks")

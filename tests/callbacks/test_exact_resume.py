@@ -10,10 +10,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import TensorDataset
 
 from lightning_memopt.callbacks import LastCheckpoint, RandomStateCheckpoint
 from lightning_memopt.callbacks.random_state import capture_random_state, restore_random_state
 from lightning_memopt.data import SyntheticFaceDataModule
+from lightning_memopt.data.resumable import ResumableDataLoader
 from lightning_memopt.tasks import FaceRecognitionModule
 from tests.callbacks.interrupting import CtrlCAfterStep
 from tests.helpers import REPO_ROOT, run_memopt_train, run_script
@@ -178,3 +180,48 @@ def test_memopt_train_resumes_exactly(tmp_path, case):
     assert result.returncode == 0, result.stderr[-4000:]
     rows = list(csv.DictReader(output.open()))
     assert [(row["case"], row["resumed_from_step"], float(row["max_abs_dw"])) for row in rows] == [(case, "3", 0.0)]
+
+
+class _ForeignModule(pl.LightningModule):
+    """A model the project never saw: a plain MLP with dropout on a TensorDataset, on our resumable loader."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+        generator = torch.Generator().manual_seed(0)
+        self.data = TensorDataset(torch.randn(16, 6, generator=generator), torch.randn(16, 1, generator=generator))
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        return torch.nn.functional.mse_loss(self.net(inputs), targets)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        return ResumableDataLoader(self.data, batch_size=4)
+
+
+def _fit_foreign(root: Path, ckpt_path: Path | None = None) -> torch.Tensor:
+    pl.seed_everything(1)
+    model = _ForeignModule()
+    every_step = ModelCheckpoint(root, filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    callbacks = [RandomStateCheckpoint(), every_step]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        default_root_dir=root,
+        max_steps=10,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return torch.cat([parameter.detach().flatten() for parameter in model.parameters()])
+
+
+def test_a_foreign_module_on_the_resumable_loader_resumes_bitwise(tmp_path):
+    full = _fit_foreign(tmp_path / "full")
+    for step in (3, 6):  # mid-epoch in the first and the second of 4-batch epochs
+        resumed = _fit_foreign(tmp_path / f"from{step}", ckpt_path=tmp_path / "full" / f"step={step}.ckpt")
+        assert torch.equal(resumed, full), f"resumed from step {step}"

@@ -148,3 +148,17 @@ def test_on_a_gpu_the_peak_is_the_allocator_peak_of_this_fit(tmp_path):
     _fit(tmp_path, summary, accelerator="gpu")
     assert summary.summary.peak_memory_source == "CUDA allocator peak"
     assert 0 < summary.summary.peak_memory_bytes == torch.cuda.max_memory_allocated()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"memory_batch": "abc"}, "TrainingSummary: `memory_batch` must be an integer, got 'abc' (str)"),
+        ({"csv_path": "."}, "TrainingSummary: `csv_path`: '.' is a folder; give the path of a file"),
+        ({"csv_path": 3}, "TrainingSummary: `csv_path` must be a path, got 3 (int)"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name_at_construction(options, message):
+    with pytest.raises(MisconfigurationException) as error:
+        TrainingSummary(**options)
+    assert str(error.value) == message
