@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from results import markdown_table, read_rows, write_csv
+from results import add_table_options, markdown_table, printed_table, read_rows, write_csv
 
 # A face run of one tiny step: a case that should fail but does not ends quickly (and is counted as not clean).
 TINY = [
@@ -341,11 +341,9 @@ def table(path: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--csv", default=str(Path(__file__).with_suffix(".csv")))
-    parser.add_argument("--table", action="store_true", help="print the README table from the CSV and stop")
+    add_table_options(parser, __file__)
     args = parser.parse_args()
-    if args.table:
-        print(table(Path(args.csv)))
+    if printed_table(args, table):
         return
     os.environ.pop("HYDRA_FULL_ERROR", None)
     rows = []

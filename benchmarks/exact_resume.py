@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from results import markdown_table, read_rows, write_csv
+from results import add_table_options, markdown_table, printed_table, read_rows, write_csv
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,11 +128,9 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     parser.add_argument("--resume-from", default=",".join(map(str, RESUME_FROM)), help="comma-separated steps")
     parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--csv", default=str(Path(__file__).with_suffix(".csv")))
-    parser.add_argument("--table", action="store_true", help="print the README table from the CSV and stop")
+    add_table_options(parser, __file__)
     args = parser.parse_args()
-    if args.table:
-        print(table(Path(args.csv)))
+    if printed_table(args, table):
         return
     cases = [case for case in CASES if case in args.cases.split(",")]
     unknown = set(args.cases.split(",")) - set(CASES)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
-from results import markdown_table, read_rows, write_csv
+from results import add_table_options, markdown_table, printed_table, read_rows, write_csv
 
 from lightning_memopt.cli.config import config_dir
 from lightning_memopt.planner import PlanError, gpu, plan
@@ -83,11 +83,9 @@ def table(path: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated presets (default: all)")
-    parser.add_argument("--csv", default=str(Path(__file__).with_suffix(".csv")))
-    parser.add_argument("--table", action="store_true", help="print the README table from the CSV and stop")
+    add_table_options(parser, __file__)
     args = parser.parse_args()
-    if args.table:
-        print(table(Path(args.csv)))
+    if printed_table(args, table):
         return
     rows = []
     for name in [n for n in args.only.split(",") if n] or PRESETS:

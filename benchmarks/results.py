@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,19 @@ def read_rows(path: str | Path) -> list[dict[str, str]]:
     """The rows of a benchmark CSV, as dicts of strings."""
     with Path(path).open() as handle:
         return list(csv.DictReader(handle))
+
+
+def add_table_options(parser: argparse.ArgumentParser, script: str) -> None:
+    """Give a benchmark's parser ``--csv`` (default: the CSV beside ``script``) and ``--table``."""
+    parser.add_argument("--csv", default=str(Path(script).with_suffix(".csv")))
+    parser.add_argument("--table", action="store_true", help="print the README table from the CSV and stop")
+
+
+def printed_table(args: argparse.Namespace, table: Callable[[Path], str]) -> bool:
+    """With ``--table``, print ``table(csv)`` (the README table) and return True: the script then stops."""
+    if args.table:
+        print(table(Path(args.csv)))
+    return bool(args.table)
 
 
 def markdown_table(columns: list[str], rows: list[list[object]]) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from results import markdown_table, read_rows, write_csv
+from results import add_table_options, markdown_table, printed_table, read_rows, write_csv
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from lightning_memopt.memory import profile_step
@@ -115,11 +115,9 @@ def table(path: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--csv", default=str(Path(__file__).with_suffix(".csv")))
-    parser.add_argument("--table", action="store_true", help="print the README table from the CSV and stop")
+    add_table_options(parser, __file__)
     args = parser.parse_args()
-    if args.table:
-        print(table(Path(args.csv)))
+    if printed_table(args, table):
         return
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
