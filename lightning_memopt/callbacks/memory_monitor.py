@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import ipaddress
 import pickle
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
 from lightning_memopt.arguments import check_bool, check_int, check_optional_int, check_path
@@ -18,17 +23,127 @@ from lightning_memopt.memory.report import format_report, write_timeline_chart
 from lightning_memopt.memory.tracker import MemoryTracker
 
 _GB = 1e9
+# the figures each kind of device has (Prometheus serves these, nothing else)
+CPU_FIGURES = ("peak_allocated_gb", "allocated_gb")
+CUDA_FIGURES = ("peak_allocated_gb", "allocated_gb", "reserved_gb", "active_gb", "fragmentation", "alloc_retries")
+
+
+# -- Lightning internals without a public API, in one place ---------------------------------------------------
+def logging_step(trainer: Trainer) -> int:
+    """The ``step`` Lightning gives the loggers for the training batch running now.
+
+    Lightning logs a training batch's ``self.log(...)`` values at ``fit_loop.epoch_loop._batches_that_stepped``,
+    the optimizer steps finished before this batch's (it grows after ``on_train_batch_end``): every micro-batch
+    of one accumulated step shares it. No public API gives it (``LearningRateMonitor`` reads it the same way);
+    ``trainer.global_step`` is already one further in ``on_train_batch_end`` and counts every optimizer.
+    """
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def ends_optimizer_step(trainer: Trainer, pl_module: LightningModule) -> bool:
+    """Whether the training batch running now finishes an optimizer step (not a micro-batch that accumulates).
+
+    Lightning's own ``_should_accumulate()`` (no public API), which also decides when the loggers get a
+    batch's values and when :func:`logging_step` grows; under manual optimization every batch is a step.
+    """
+    return not (pl_module.automatic_optimization and trainer.fit_loop.epoch_loop._should_accumulate())
+
+
+def compiled_parts(module: nn.Module) -> list[str]:
+    """The parts of ``module`` that run ``torch.compile``d code, named for a message; empty if none.
+
+    Found: compiled submodules (``torch.compile(submodule)``, ``submodule.compile()``), and a compiled
+    ``forward`` or ``training_step`` (decorated, assigned, or ``trainer.fit(torch.compile(model))``, which
+    Lightning turns into both). A compiled function that the module calls from elsewhere is not found.
+
+    Example::
+
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> compiled_parts(net)
+        []
+        >>> net[0] = torch.compile(net[0])
+        >>> compiled_parts(net)
+        ["0 (torch.compile'd module)"]
+    """
+    found: list[str] = []
+    inside_compiled: list[str] = []
+    # nothing is compiled before torch.compile imports dynamo (and importing it here would cost a second)
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized_module = getattr(eval_frame, "OptimizedModule", None)
+    for name, submodule in module.named_modules():
+        if any(name.startswith(prefix) for prefix in inside_compiled):
+            continue  # the module a compiled wrapper holds runs compiled too: named once
+        label = name or type(submodule).__name__
+        if optimized_module is not None and isinstance(submodule, optimized_module):
+            found.append(f"{label} (torch.compile'd module)")
+            inside_compiled.append(f"{name}." if name else "")
+            continue
+        if getattr(submodule, "_compiled_call_impl", None) is not None:
+            found.append(f"{label} (Module.compile())")
+            continue
+        for method in ("forward", "training_step"):
+            if hasattr(getattr(submodule, method, None), "_torchdynamo_orig_callable"):
+                found.append(f"{label}.{method} (torch.compile)")
+    return found
+
+
+# -- argument checks ----------------------------------------------------------------------------------------
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST_NAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
+
+
+def check_bind_address(name: str, value: Any) -> str:
+    """``value`` as the address of a network interface to bind: an IPv4 / IPv6 address or a host name.
+
+    Raises:
+        TypeError: not a string.
+        ValueError: neither an IP address nor a host name (an empty string included).
+
+    Example::
+
+        >>> check_bind_address("prometheus_address", "127.0.0.1")
+        '127.0.0.1'
+        >>> check_bind_address("prometheus_address", "http://host")
+        Traceback (most recent call last):
+        ...
+        ValueError: `prometheus_address` must be an IP address or host name to bind, e.g. '127.0.0.1' (this machine only) or '0.0.0.0' (every interface), got 'http://host'
+    """  # noqa: E501
+    wanted = "an IP address or host name to bind, e.g. '127.0.0.1' (this machine only) or '0.0.0.0' (every interface)"
+    if not isinstance(value, str):
+        raise TypeError(f"`{name}` must be {wanted}, got {value!r} ({type(value).__name__})")
+    address = value.strip()
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        pass
+    if _HOST_NAME.match(address):
+        return address
+    raise ValueError(f"`{name}` must be {wanted}, got {value!r}")
 
 
 class MemoryMonitor(Callback):
     """Log ``memopt/*`` memory figures every ``every_n_steps`` and write an OOM diagnosis on failure.
 
-    On CUDA it logs the caching allocator's peak allocated, reserved and active memory (GB),
-    fragmentation (1 − allocated / reserved) and allocator retries, from ``torch.cuda.memory_stats``;
-    on other devices, the live tensor bytes and the peak of that step counted by a
-    :class:`MemoryTracker` that runs through the sampled step only (one step in ``every_n_steps``,
-    so the Python-level accounting costs little). ``last_logged`` holds the latest figures. Under DDP every rank's value
-    is logged (``…_rank{i}``) with the minimum and maximum across ranks. Peaks are reset after each log.
+    On CUDA it logs the caching allocator's peak allocated (since the previous sample, so no spike
+    between samples is missed), allocated, reserved and active memory (GB), fragmentation
+    (1 − allocated / reserved) and allocator retries, from ``torch.cuda.memory_stats``; on other
+    devices, the live tensor bytes at the end of the sampled optimizer step and the peak within it,
+    counted by a :class:`MemoryTracker` that runs through that step only (all its micro-batches under
+    gradient accumulation), so the Python-level accounting costs little.
+
+    Sampled: the first optimizer step of each fit and every step ``s`` (0-based) with
+    ``(s + 1) % every_n_steps == 0``, the steps Lightning logs with ``log_every_n_steps=every_n_steps``
+    (and ``ModelCheckpoint(every_n_train_steps=every_n_steps)`` saves after). The figures go to the loggers at
+    Lightning's logging step of that batch, the ``step`` its ``self.log(...)`` values get, once per step, and
+    into ``trainer.callback_metrics`` (``ModelCheckpoint`` / ``EarlyStopping`` can monitor them); ``prog_bar``
+    shows the peak on the progress bar. ``last_logged`` holds the latest figures, ``last_logged_step`` their
+    step. Under DDP every rank's value is logged as well (``…_rank{i}``), with the minimum and maximum across
+    ranks (``…_min``, ``…_max``); the plain key is this rank's value (rank 0's in the loggers).
+
+    The CPU tracker, a ``TorchDispatchMode``, would turn ``torch.compile`` off for the rest of the run (dynamo
+    never compiles a frame it first met under such a mode): on a model that runs compiled code (see
+    :func:`compiled_parts`) it is skipped, with one warning, and no CPU figures are logged. CUDA figures
+    come from the allocator and work with compiled code.
 
     When a training step raises an out-of-memory error it writes, into ``report_dir``:
     ``oom_report.txt`` (live memory by category and top-level module, largest tensors, what to try
@@ -36,21 +151,30 @@ class MemoryMonitor(Callback):
     and on CUDA ``oom_snapshot.pickle`` (allocator history; open it at https://pytorch.org/memory_viz).
 
     Args:
-        every_n_steps: log every this many optimizer steps.
+        every_n_steps: sample every this many optimizer steps (and the first).
         report_dir: where OOM files go; default ``<trainer.default_root_dir>/memopt``.
         record_cuda_history: record CUDA allocator history for the snapshot (small overhead).
-        prometheus_port: also serve the figures as Prometheus gauges on this port (+ local rank);
+        prometheus_port: also serve the device's figures as Prometheus gauges (``memopt_peak_allocated_gb``,
+            …; on the CPU only the two it has) on this port (+ local rank), from fit start to teardown;
             needs ``prometheus_client`` (extra ``prometheus``).
+        prometheus_address: the interface that server binds: ``"127.0.0.1"`` (the default) serves this
+            machine only; ``"0.0.0.0"`` (or ``"::"``) every interface, which anyone who can reach the
+            port can read, without authentication.
+        prog_bar: show ``memopt/peak_allocated_gb`` on the progress bar.
 
     Raises:
         MisconfigurationException: for ``every_n_steps`` < 1, a port outside 1–65535, a value of the
-            wrong type (``every_n_steps="abc"``, ``record_cuda_history="maybe"``), or a
-            ``prometheus_port`` without ``prometheus_client`` installed.
+            wrong type (``every_n_steps="abc"``, ``record_cuda_history="maybe"``), a
+            ``prometheus_address`` that is no IP address or host name, or a ``prometheus_port``
+            without ``prometheus_client`` installed.
+        OSError: at fit start, when the Prometheus server cannot bind its address and port (in use),
+            naming both.
 
     Example::
 
-        >>> MemoryMonitor(every_n_steps=10).every_n_steps
-        10
+        >>> monitor = MemoryMonitor(every_n_steps=10)
+        >>> monitor.every_n_steps, [monitor.samples(step) for step in (8, 9, 10, 19)]
+        (10, [False, True, False, True])
     """
 
     def __init__(
@@ -59,12 +183,16 @@ class MemoryMonitor(Callback):
         report_dir: str | Path | None = None,
         record_cuda_history: bool = True,
         prometheus_port: int | None = None,
+        prometheus_address: str = "127.0.0.1",
+        prog_bar: bool = False,
     ) -> None:
         try:
             self.every_n_steps = check_int("every_n_steps", every_n_steps, minimum=1)
             self.report_dir = Path(check_path("report_dir", report_dir)) if report_dir is not None else None
             self.record_cuda_history = check_bool("record_cuda_history", record_cuda_history)
             self.prometheus_port = check_optional_int("prometheus_port", prometheus_port, minimum=1, maximum=65535)
+            self.prometheus_address = check_bind_address("prometheus_address", prometheus_address)
+            self.prog_bar = check_bool("prog_bar", prog_bar)
         except (TypeError, ValueError) as error:
             raise MisconfigurationException(f"MemoryMonitor: {error}") from None
         if self.prometheus_port is not None:
@@ -76,18 +204,34 @@ class MemoryMonitor(Callback):
                     "pip install 'lightning-memopt[prometheus]'"
                 ) from None
         self.tracker: MemoryTracker | None = None
+        self._tracking = False  # the tracker's dispatch mode is entered (paused between micro-batches)
         self._gauges: dict[str, Any] = {}
+        self._registry: Any = None
+        self._server: Any = None  # (server, thread) of the Prometheus endpoint
+        self._device = torch.device("cpu")
+        self._step: int | None = None  # the logging step of the optimizer step running now
         self._sampled_step = -1
+        self._sampled_first = False
         self._sampling = False
+        self._warned_compiled = False
         self.last_tracked: MemoryTracker | None = None
         self.last_logged: dict[str, float] = {}
+        self.last_logged_step: int | None = None
+
+    def samples(self, step: int) -> bool:
+        """Whether the optimizer step at logging step ``step`` is sampled (the first of a fit is, too)."""
+        return (step + 1) % self.every_n_steps == 0
 
     # -- set-up and tear-down ------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if pl_module.device.type == "cuda" and self.record_cuda_history:
+        # the module is still on the CPU in `setup`: the strategy moves it later
+        self._device = trainer.strategy.root_device
+        self._step, self._sampled_step, self._sampled_first, self._sampling = None, -1, False, False
+        self._warned_compiled = False
+        if self._device.type == "cuda" and self.record_cuda_history:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         if self.prometheus_port is not None:
             self._start_prometheus(trainer)
@@ -95,35 +239,66 @@ class MemoryMonitor(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._stop(pl_module)
+            self._stop()
 
-    def _stop(self, pl_module: LightningModule) -> None:
+    def _stop(self) -> None:
         # called from teardown, and from on_exception (Lightning skips teardown hooks after an error)
         self._stop_tracking()
-        if pl_module.device.type == "cuda" and self.record_cuda_history:
+        self._sampling = False
+        self._stop_prometheus()
+        if self._device.type == "cuda" and self.record_cuda_history:
             torch.cuda.memory._record_memory_history(enabled=None)
+
+    def _pause_tracking(self) -> None:
+        if self.tracker is not None and self._tracking:
+            self.tracker.__exit__(None, None, None)
+            self._tracking = False
 
     def _stop_tracking(self) -> None:
         if self.tracker is not None:
-            self.tracker.__exit__(None, None, None)
+            self._pause_tracking()
             self.tracker.remove_hooks()
             self.last_tracked = self.tracker
             self.tracker = None
 
-    # -- one sampled step in every_n_steps -----------------------------------------------------
+    # -- the sampled optimizer steps -----------------------------------------------------------
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step % self.every_n_steps or trainer.global_step == self._sampled_step:
+        if trainer.sanity_checking:
             return
-        self._sampled_step = trainer.global_step
-        self._sampling = True
-        if pl_module.device.type == "cuda":
+        step = logging_step(trainer)
+        if step != self._step:  # the first batch of an optimizer step
+            self._step = step
+            self._sampling = not self._sampled_first or self.samples(step)
+            if self._sampling:
+                self._sampled_first = True
+                self._sampled_step = step
+        if not self._sampling or self._device.type == "cuda":
             return
-        # off CUDA the figures come from a tracker that runs through this one step only
-        self.tracker = MemoryTracker(record_timeline=True)
-        self.tracker.track_training_state(pl_module, trainer.optimizers, batch)
+        # off CUDA the figures come from a tracker that runs through the sampled step only
+        if self.tracker is None:
+            compiled = compiled_parts(pl_module)
+            if compiled:
+                self._sampling = False
+                self._warn_compiled(compiled)
+                return
+            self.tracker = MemoryTracker(record_timeline=True)
+            self.tracker.track_training_state(pl_module, trainer.optimizers, batch)
+        else:  # the next micro-batch of the step
+            self.tracker.track(tree_flatten(batch)[0], "inputs", op="batch")
         self.tracker.phase = "forward"
         self.tracker.__enter__()
+        self._tracking = True
+
+    def _warn_compiled(self, compiled: list[str]) -> None:
+        if self._warned_compiled:
+            return
+        self._warned_compiled = True
+        rank_zero_warn(
+            f"MemoryMonitor: skipping the CPU memory tracker: the model runs compiled code ({', '.join(compiled)}), "
+            "and tracking a step would turn torch.compile off for the rest of the run. No memopt/* memory figures "
+            "are logged on the CPU (on CUDA they come from the allocator and work with torch.compile)"
+        )
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
@@ -144,15 +319,20 @@ class MemoryMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._sampling:
+        if trainer.sanity_checking or not self._sampling:
+            return
+        self._pause_tracking()  # between micro-batches (data loading) nothing is counted
+        if not ends_optimizer_step(trainer, pl_module):
             return
         self._sampling = False
+        if self._device.type != "cuda" and self.tracker is None:
+            return
         if self.tracker is not None:
             for optimizer in trainer.optimizers:
                 self.tracker.relabel_optimizer_state(optimizer)
-        figures = self.read(pl_module.device)
+        figures = self.read(self._device)
         self._stop_tracking()
-        self._log(trainer, pl_module, figures)
+        self._log(trainer, pl_module, figures, logging_step(trainer))
 
     # -- figures -------------------------------------------------------------------------------
     def read(self, device: torch.device) -> dict[str, float]:
@@ -177,47 +357,89 @@ class MemoryMonitor(Callback):
             "allocated_gb": self.tracker.live_bytes / _GB,
         }
 
-    def _log(self, trainer: Trainer, pl_module: LightningModule, figures: dict[str, float]) -> None:
+    def _log(self, trainer: Trainer, pl_module: LightningModule, figures: dict[str, float], step: int) -> None:
         names = list(figures)
-        values = torch.tensor([figures[n] for n in names], dtype=torch.float64, device=pl_module.device)
-        logged: dict[str, float] = dict(zip((f"memopt/{n}" for n in names), figures.values(), strict=True))
+        logged: dict[str, float] = {f"memopt/{name}": value for name, value in figures.items()}
         if trainer.world_size > 1:
+            values = torch.tensor([figures[n] for n in names], dtype=torch.float64, device=pl_module.device)
             gathered = torch.as_tensor(pl_module.all_gather(values)).reshape(trainer.world_size, len(names))
             for column, name in enumerate(names):
                 per_rank = gathered[:, column].tolist()
                 logged[f"memopt/{name}_min"] = min(per_rank)
                 logged[f"memopt/{name}_max"] = max(per_rank)
                 logged.update({f"memopt/{name}_rank{rank}": value for rank, value in enumerate(per_rank)})
-        self.last_logged = logged
+        self.last_logged, self.last_logged_step = logged, step
         if trainer.is_global_zero:
-            for logger in trainer.loggers:  # straight to the loggers, like LearningRateMonitor: no stale repeats
-                logger.log_metrics(logged, step=trainer.global_step)
-        for name, value in figures.items():
-            if name in self._gauges:
-                self._gauges[name].set(value)
+            # straight to the loggers at the batch's logging step, like LearningRateMonitor: `self.log` would
+            # repeat the value, stale, at every later step Lightning logs until the next sample
+            for logger in trainer.loggers:
+                logger.log_metrics(logged, step=step)
+        # into trainer.callback_metrics (ModelCheckpoint, EarlyStopping) and the progress bar, not the loggers
+        # (`on_train_batch_end` is a hook Lightning lets callbacks `log` from, `on_step` only)
+        headline = "memopt/peak_allocated_gb"
+        pl_module.log(headline, logged[headline], on_step=True, on_epoch=False, logger=False, prog_bar=self.prog_bar)
+        others = {key: value for key, value in logged.items() if key != headline}
+        pl_module.log_dict(others, on_step=True, on_epoch=False, logger=False)
+        self._set_gauges(figures)
 
+    # -- Prometheus ----------------------------------------------------------------------------
     def _start_prometheus(self, trainer: Trainer) -> None:
         import prometheus_client
 
         assert self.prometheus_port is not None
-        registry = prometheus_client.CollectorRegistry()
-        names = ("peak_allocated_gb", "allocated_gb", "reserved_gb", "active_gb", "fragmentation", "alloc_retries")
-        self._gauges = {
-            name: prometheus_client.Gauge(f"memopt_{name}", f"lightning_memopt {name}", registry=registry)
-            for name in names
-        }
-        prometheus_client.start_http_server(self.prometheus_port + trainer.local_rank, registry=registry)
+        self._stop_prometheus()  # a fit that ended without teardown (interrupted) left it open
+        port = self.prometheus_port + trainer.local_rank
+        names = CUDA_FIGURES if self._device.type == "cuda" else CPU_FIGURES
+        self._registry = prometheus_client.CollectorRegistry()
+        # a gauge appears with the first sample: before it, none (rather than a 0 that was never measured)
+        self._gauges = {name: None for name in names}
+        try:
+            server = prometheus_client.start_http_server(port, addr=self.prometheus_address, registry=self._registry)
+        except OSError as error:
+            raise OSError(
+                f"MemoryMonitor: cannot serve the Prometheus gauges on {self.prometheus_address}:{port} "
+                f"(`prometheus_address`, `prometheus_port` {self.prometheus_port} + local rank "
+                f"{trainer.local_rank}): {error}"
+            ) from error
+        # prometheus_client ≥ 0.17 returns (server, thread); older ones nothing, and their server stays up
+        self._server = server if isinstance(server, tuple) else None
+        host = f"[{self.prometheus_address}]" if ":" in self.prometheus_address else self.prometheus_address
+        rank_zero_info(f"MemoryMonitor: Prometheus gauges at http://{host}:{port}/metrics")
+
+    def _set_gauges(self, figures: dict[str, float]) -> None:
+        if self._registry is None:
+            return
+        import prometheus_client
+
+        for name, value in figures.items():
+            if name not in self._gauges:
+                continue
+            gauge = self._gauges[name]
+            if gauge is None:
+                gauge = prometheus_client.Gauge(f"memopt_{name}", f"lightning_memopt {name}", registry=self._registry)
+                self._gauges[name] = gauge
+            gauge.set(value)
+
+    def _stop_prometheus(self) -> None:
+        if self._server is not None:
+            server, thread = self._server
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=10)
+        self._server, self._registry, self._gauges = None, None, {}
 
     # -- out of memory -------------------------------------------------------------------------
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if is_oom_error(exception):
-            directory = self.report_dir or Path(trainer.default_root_dir) / "memopt"
-            directory.mkdir(parents=True, exist_ok=True)
-            title = f"out of memory at step {trainer.global_step}"
-            written = self.write_oom_report(directory, pl_module.device, title)
-            rank_zero_info(f"MemoryMonitor: out of memory; wrote {', '.join(str(p) for p in written)}")
-        self._stop(pl_module)
+        try:
+            if is_oom_error(exception):
+                directory = self.report_dir or Path(trainer.default_root_dir) / "memopt"
+                directory.mkdir(parents=True, exist_ok=True)
+                title = f"out of memory at step {trainer.global_step}"
+                written = self.write_oom_report(directory, self._device, title)
+                rank_zero_info(f"MemoryMonitor: out of memory; wrote {', '.join(str(p) for p in written)}")
+        finally:
+            self._stop()
 
     def write_oom_report(self, directory: Path, device: torch.device, title: str) -> list[Path]:
         """Write the OOM files for ``device`` into ``directory``; returns the paths written."""

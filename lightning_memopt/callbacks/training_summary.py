@@ -1,4 +1,4 @@
-"""TrainingSummary: steps, throughput, final loss and peak memory of a fit, printed at its end."""
+"""TrainingSummary: steps, throughput, final loss and peak memory of a fit, logged (and printed) at its end."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_memopt.arguments import check_int, check_output_file
+from lightning_memopt.arguments import check_bool, check_int, check_output_file
+from lightning_memopt.callbacks.memory_monitor import compiled_parts, logging_step
 from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.results_file import append_row
 
@@ -89,8 +91,24 @@ def _process_peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+# the figures logged at fit end, under memopt/summary/ (the others are text, or counted in these)
+LOGGED_FIGURES = (
+    "steps",
+    "samples",
+    "samples_per_second",
+    "train_seconds",
+    "final_loss",
+    "peak_memory_bytes",
+)
+
+
 class TrainingSummary(Callback):
-    """Measure a fit and print a summary at its end (rank 0).
+    """Measure a fit and log its figures to the trainer's loggers at its end (rank 0); optionally print them.
+
+    At fit end every logger gets ``memopt/summary/steps``, ``…/samples``, ``…/samples_per_second``,
+    ``…/train_seconds``, ``…/final_loss`` and ``…/peak_memory_bytes`` (the last two where known) in one
+    ``log_metrics`` call, at the step Lightning's loggers reached (the number of optimizer steps);
+    ``summary`` holds them, with ``peak_memory_source`` saying where the peak comes from.
 
     Time counts the training loop (data loading, forward, backward, optimizer, other callbacks), not
     validation or start-up; a CUDA device is synchronised only where timing starts and stops.
@@ -99,7 +117,9 @@ class TrainingSummary(Callback):
     counted by a :class:`~lightning_memopt.memory.MemoryTracker` — parameters, gradients,
     optimizer state, the batch and the step's tensors, the same every run — and that batch's time
     and samples are left out of the throughput; a fit that ends before that batch reports the
-    process's peak resident set size instead.
+    process's peak resident set size instead, and so does a model that runs code compiled by ``torch.compile``
+    (the tracker, a ``TorchDispatchMode``, would turn compilation off for the rest of the run: it is
+    skipped, with one warning).
 
     Args:
         loss_key: the logged metric reported as the final loss.
@@ -109,15 +129,17 @@ class TrainingSummary(Callback):
             jobs all write to one file, each row appended under a file lock
             (:func:`~lightning_memopt.results_file.append_row`), so concurrent jobs lose no row.
         label: the ``label`` column of that row (``memopt-train`` writes the job's overrides).
+        print_summary: also print the summary table at fit end (rank 0); ``memopt-train`` does.
 
     Raises:
-        MisconfigurationException: a negative ``memory_batch``.
+        MisconfigurationException: a negative ``memory_batch``, a ``csv_path`` that is a folder, or a
+            value of the wrong type (``memory_batch="abc"``, ``print_summary="maybe"``).
 
     Example::
 
-        >>> summary = TrainingSummary()
-        >>> summary.summary.steps
-        0
+        >>> summary = TrainingSummary(print_summary=False)
+        >>> summary.summary.steps, summary.print_summary
+        (0, False)
     """
 
     def __init__(
@@ -126,10 +148,12 @@ class TrainingSummary(Callback):
         memory_batch: int = 1,
         csv_path: str | Path | None = None,
         label: str = "",
+        print_summary: bool = False,
     ) -> None:
         try:
             self.memory_batch = check_int("memory_batch", memory_batch)
             self.csv_path = None if csv_path is None else Path(check_output_file("csv_path", csv_path))
+            self.print_summary = check_bool("print_summary", print_summary)
         except (TypeError, ValueError, OSError) as error:
             raise MisconfigurationException(f"TrainingSummary: {error}") from None
         if self.memory_batch < 0:
@@ -140,14 +164,17 @@ class TrainingSummary(Callback):
         self._stretch_started: float | None = None
         self._batches = 0
         self._tracker: MemoryTracker | None = None
+        self._device = torch.device("cpu")
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.summary = FitSummary()
         self._stretch_started = None
         self._batches = 0
-        if pl_module.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        # kept: at `on_fit_end` the strategy has already moved the module back to the CPU
+        self._device = trainer.strategy.root_device
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
             self.summary.peak_memory_source = "CUDA allocator peak"
         elif _reset_process_peak_rss():
             self.summary.peak_memory_source = "process peak RSS during the fit"
@@ -157,26 +184,38 @@ class TrainingSummary(Callback):
     # Time runs from the first training batch after fit start (or after validation) to the next
     # validation or the end of training; the device is synchronised only at those boundaries, so the
     # training step itself gets no extra host sync.
-    def _close_stretch(self, pl_module: LightningModule) -> None:
+    def _close_stretch(self) -> None:
         if self._stretch_started is None:
             return
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)  # count the kernels, not just their launch
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)  # count the kernels, not just their launch
         self.summary.train_seconds += time.perf_counter() - self._stretch_started
         self._stretch_started = None
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if pl_module.device.type != "cuda" and self._batches == self.memory_batch:
-            self._close_stretch(pl_module)  # the counted batch is slower: keep it out of the throughput
+        if self._device.type != "cuda" and self._batches == self.memory_batch and not self._skip_compiled(pl_module):
+            self._close_stretch()  # the counted batch is slower: keep it out of the throughput
             self._tracker = MemoryTracker()
             self._tracker.track_training_state(pl_module, trainer.optimizers, batch)
             self._tracker.__enter__()
             return
         if self._stretch_started is None:
-            if pl_module.device.type == "cuda":
-                torch.cuda.synchronize(pl_module.device)
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
             self._stretch_started = time.perf_counter()
+
+    def _skip_compiled(self, pl_module: LightningModule) -> bool:
+        """Whether the counted batch is left uncounted because the model runs compiled code (warned once)."""
+        compiled = compiled_parts(pl_module)
+        if compiled:
+            self.summary.peak_memory_source += " (MemoryTracker skipped: compiled model)"
+            rank_zero_warn(
+                f"TrainingSummary: not counting the memory of training batch {self.memory_batch} with a "
+                f"MemoryTracker: the model runs compiled code ({', '.join(compiled)}), and tracking it would turn "
+                "torch.compile off for the rest of the run. The peak memory reported is the process's peak RSS"
+            )
+        return bool(compiled)
 
     @override
     def on_train_batch_end(
@@ -205,25 +244,35 @@ class TrainingSummary(Callback):
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._close_stretch(pl_module)
+        self._close_stretch()
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._close_stretch(pl_module)
+        self._close_stretch()
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.summary.steps = trainer.global_step
         loss = trainer.callback_metrics.get(self.loss_key)
         self.summary.final_loss = None if loss is None else float(loss)
-        if pl_module.device.type == "cuda":
-            self.summary.peak_memory_bytes = torch.cuda.max_memory_allocated(pl_module.device)
-        elif self._batches <= self.memory_batch:  # the counted batch never ran
+        if self._device.type == "cuda":
+            self.summary.peak_memory_bytes = torch.cuda.max_memory_allocated(self._device)
+        elif self.summary.peak_memory_bytes is None:  # the counted batch never ran, or was not tracked
             self.summary.peak_memory_bytes = _process_peak_rss_bytes()
         if trainer.is_global_zero:
-            print(self.summary.format(), flush=True)
+            self._log(trainer)
+            if self.print_summary:
+                print(self.summary.format(), flush=True)
             if self.csv_path is not None:
                 append_row(self.csv_path, {"label": self.label, **self.as_dict()})
+
+    def _log(self, trainer: Trainer) -> None:
+        figures = self.as_dict()
+        metrics = {f"memopt/summary/{name}": figures[name] for name in LOGGED_FIGURES if figures[name] is not None}
+        step = logging_step(trainer)  # after the last batch: its logging step + 1, the number of steps
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+            logger.save()
 
     def as_dict(self) -> dict[str, Any]:
         """The measured figures as a plain dict (``samples_per_second`` included)."""

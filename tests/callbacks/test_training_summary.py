@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.loggers import CSVLogger, Logger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt.callbacks import TrainingSummary
@@ -13,10 +14,10 @@ from lightning_memopt.tasks import FaceRecognitionModule
 from tests.helpers import quiet_trainer
 
 
-def _fit(tmp_path, summary, max_steps=3, accelerator="cpu"):
+def _fit(tmp_path, summary, max_steps=3, accelerator="cpu", **trainer_options):
     data = DataLoader(TensorDataset(torch.randn(24, 3, 32, 32), torch.arange(24) % 4), batch_size=6)
     trainer = quiet_trainer(
-        accelerator=accelerator, max_steps=max_steps, callbacks=[summary], default_root_dir=tmp_path
+        accelerator=accelerator, max_steps=max_steps, callbacks=[summary], default_root_dir=tmp_path, **trainer_options
     )
     trainer.fit(FaceRecognitionModule(num_classes=4, backbone="iresnet_tiny"), data)
     return trainer
@@ -31,8 +32,69 @@ def test_summary_counts_steps_samples_and_reports_the_last_logged_loss(tmp_path,
     # the second batch's memory is counted on the CPU: its 6 samples are left out of the throughput
     assert figures["timed_samples"] == 12
     assert figures["samples_per_second"] == pytest.approx(12 / figures["train_seconds"])
+    assert "memopt-train summary" not in "".join(capsys.readouterr())  # printing is asked for
+
+
+def test_print_summary_prints_the_table(tmp_path, capsys):
+    _fit(tmp_path, TrainingSummary(print_summary=True))
     printed = "".join(capsys.readouterr())
     assert "memopt-train summary" in printed and "optimizer steps   3" in printed
+
+
+def test_the_figures_reach_a_csv_logger_at_fit_end(tmp_path):
+    summary = TrainingSummary()
+    trainer = _fit(tmp_path, summary, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    with next(tmp_path.glob("**/metrics.csv")).open() as handle:
+        rows = list(csv.DictReader(handle))
+    [row] = [row for row in rows if row.get("memopt/summary/steps")]
+    assert rows[-1] is row and int(row["step"]) == 3  # after the train/loss rows of steps 0, 1, 2
+    assert {key for key, value in row.items() if value} == {
+        "step",
+        "memopt/summary/steps",
+        "memopt/summary/samples",
+        "memopt/summary/samples_per_second",
+        "memopt/summary/train_seconds",
+        "memopt/summary/final_loss",
+        "memopt/summary/peak_memory_bytes",
+    }
+    figures = summary.as_dict()
+    assert float(row["memopt/summary/steps"]) == 3 and float(row["memopt/summary/samples"]) == 18
+    assert float(row["memopt/summary/final_loss"]) == pytest.approx(float(trainer.callback_metrics["train/loss"]))
+    assert float(row["memopt/summary/peak_memory_bytes"]) == figures["peak_memory_bytes"] > 0
+    assert float(row["memopt/summary/samples_per_second"]) == pytest.approx(figures["samples_per_second"])
+
+
+class _Recorder(Logger):
+    """A logger that keeps what it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    @property
+    def name(self):
+        return "recorder"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.calls.append((dict(metrics), step))
+
+
+def test_every_logger_gets_the_figures_once_and_an_unknown_loss_is_left_out(tmp_path):
+    loggers = [_Recorder(), _Recorder()]
+    _fit(tmp_path, TrainingSummary(loss_key="no/such/key"), max_steps=2, logger=loggers, log_every_n_steps=1)
+    for logger in loggers:
+        summaries = [(metrics, step) for metrics, step in logger.calls if "memopt/summary/steps" in metrics]
+        assert len(summaries) == 1
+        metrics, step = summaries[0]
+        assert step == 2 and metrics["memopt/summary/steps"] == 2
+        assert "memopt/summary/final_loss" not in metrics
 
 
 def test_off_cuda_the_peak_is_the_counted_batch_s_live_tensor_bytes_the_same_every_fit(tmp_path):
@@ -156,6 +218,7 @@ def test_on_a_gpu_the_peak_is_the_allocator_peak_of_this_fit(tmp_path):
         ({"memory_batch": "abc"}, "TrainingSummary: `memory_batch` must be an integer, got 'abc' (str)"),
         ({"csv_path": "."}, "TrainingSummary: `csv_path`: '.' is a folder; give the path of a file"),
         ({"csv_path": 3}, "TrainingSummary: `csv_path` must be a path, got 3 (int)"),
+        ({"print_summary": "maybe"}, "TrainingSummary: `print_summary` must be true or false, got 'maybe' (str)"),
     ],
 )
 def test_bad_arguments_are_refused_by_name_at_construction(options, message):
