@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -26,6 +26,7 @@ from lightning_memopt.accumulation.split import BatchSplitError, batch_size, mer
 from lightning_memopt.memory.oom import is_oom_error, release_memory
 
 LOSS_REDUCTIONS = ("mean", "sum")
+LossReduction = Literal["mean", "sum"]  # == LOSS_REDUCTIONS
 Shrink = Callable[[int], int]
 Agree = Callable[[list[int]], list[int]]
 _OOM, _SIZE = 1, 2  # what stopped a batch, as ranks agree on it (the larger wins)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy
@@ -13,6 +11,7 @@ from typing_extensions import override
 from lightning_memopt.callbacks.model_setup import after_configure_model
 from lightning_memopt.checkpointing import (
     CheckpointReport,
+    PolicySpec,
     checkpoint_modules,
     parse_policy,
     remove_activation_checkpointing,
@@ -35,7 +34,10 @@ class ActivationCheckpointing(Callback):
         policy: what to checkpoint and how; see
             :func:`~lightning_memopt.checkpointing.apply_activation_checkpointing`. ``"auto"``
             (the default; ``"preset"`` is the same) checkpoints the blocks the model declares,
-            and the repeated blocks discovered where it declares none, so it works on any model.
+            and the repeated blocks discovered where it declares none, so it works on any model;
+            ``"selective"``, ``"offload"`` and ``"every_n"`` act on the same blocks in those ways. Or a
+            module class, dotted class path or name glob, a mapping ``{modules, every_n, mode}``, or a list
+            of those (the first to match a module decides).
 
     Raises:
         MisconfigurationException: a malformed policy (in ``__init__``), or one that matches no
@@ -47,7 +49,7 @@ class ActivationCheckpointing(Callback):
         'offload'
     """
 
-    def __init__(self, policy: Any = "auto") -> None:
+    def __init__(self, policy: PolicySpec = "auto") -> None:
         try:
             self.policies = parse_policy(policy)
         except (TypeError, ValueError) as error:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -29,7 +29,7 @@ from lightning_memopt.accumulation import (
     halve,
     min_micro_batch_size,
 )
-from lightning_memopt.accumulation.micro_batch import Shrink, check_loss_reduction, with_loss
+from lightning_memopt.accumulation.micro_batch import LossReduction, Shrink, check_loss_reduction, with_loss
 from lightning_memopt.accumulation.schedule import AccumulationSchedule
 from lightning_memopt.accumulation.sizing import MicroBatchSizer
 from lightning_memopt.arguments import check_bool, check_optional_int
@@ -81,7 +81,8 @@ class AdaptiveAccumulation(Callback):
     Args:
         micro_batch_size: the first micro-batch size (e.g. from the planner); ``None`` starts
             with whole batches.
-        shrink: ``"halve"`` or ``size -> smaller size`` after an out-of-memory error.
+        shrink: the next micro-batch size after an out-of-memory error: ``"halve"``, or a function
+            ``size -> smaller size`` (on the command line its import path, e.g. ``mypackage.shrink_by_quarter``).
         grow_after: optimizer steps without an error before the micro-batch size doubles (up to
             the whole batch); ``None`` keeps the recovered size for the rest of the run.
         thrash_steps: consecutive batches in which the CUDA allocator retried that shrink the
@@ -113,10 +114,10 @@ class AdaptiveAccumulation(Callback):
     def __init__(
         self,
         micro_batch_size: int | None = None,
-        shrink: str | Shrink = "halve",
+        shrink: Literal["halve"] | Shrink = "halve",
         grow_after: int | None = None,
         thrash_steps: int | None = 3,
-        loss_reduction: str = "mean",
+        loss_reduction: LossReduction = "mean",
         accumulate_schedule: dict[int, int] | None = None,
         evaluation: bool = True,
     ) -> None:
@@ -421,7 +422,7 @@ class AdaptiveAccumulation(Callback):
                 f"AdaptiveAccumulation: micro-batches of {size} (of {total}) change the batch statistics of the "
                 f"model's {len(layers)} batch-norm layers ({', '.join(sorted(set(layers)))}). Ghost batch norm or "
                 "GroupNorm / LayerNorm keep them independent of the micro-batch size; SyncBatchNorm pools every "
-                "rank's micro-batch (under DDP, with a `micro_batch_size` that fits: see the README)"
+                "rank's micro-batch (under DDP, with a `micro_batch_size` that fits: see docs/guide/accumulation.md)"
             )
         coupled = getattr(pl_module, "batch_coupled_loss", None)
         if coupled and not self._warned_coupled_loss:

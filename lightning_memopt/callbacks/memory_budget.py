@@ -16,10 +16,12 @@ from lightning_memopt.arguments import check_int, check_optional_float
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
 from lightning_memopt.callbacks.precision_switch import PrecisionSwitch
-from lightning_memopt.checkpointing import check_blocks
+from lightning_memopt.checkpointing import BlocksSpec, check_blocks
 from lightning_memopt.models.structure import attention_kernels, set_attention
 from lightning_memopt.planner import Hardware, Knobs, Plan, PlanError, cuda_hardware, measure_cpu, plan, with_budget
 from lightning_memopt.planner import gpu as catalogue_gpu
+from lightning_memopt.planner.hardware import GpuName
+from lightning_memopt.planner.knobs import KnobsMapping
 from lightning_memopt.planner.search import check_safety_margin
 from lightning_memopt.strategies import MemoptFSDPStrategy
 
@@ -53,15 +55,17 @@ class MemoryBudget(Callback):
     Args:
         budget: GiB to plan for; default the device's memory (off CUDA: the host memory available
             now; give a budget to plan for a :class:`~lightning_memopt.memory.SimulatedDevice`).
-        gpu: a catalogue name whose rates (and memory, unless ``budget``) to plan for; default the
-            live device.
-        safety_margin: the fraction of memory kept free.
+        gpu: a catalogue name (:data:`~lightning_memopt.planner.GPUS`, e.g. ``"a100_80gb"``) whose rates (and
+            memory, unless ``budget``) to plan for; default the live device.
+        safety_margin: the fraction of memory kept free, in [0, 1).
         knobs: apply these knobs (a mapping of :class:`~lightning_memopt.planner.Knobs` fields, as
-            ``memopt-plan`` prints them) without planning.
-        sample_batch: the batch to plan with; default the first batch of the datamodule's train loader.
+            ``memopt-plan`` prints them: ``precision``, ``attn_impl``, ``checkpoint``, ``every_n``,
+            ``micro_batch_size``, ``shards``, ``cpu_offload``) without planning.
+        sample_batch: the batch to plan with, in the form the module's ``training_step`` takes; default
+            the first batch of the datamodule's train loader.
         verify: the most candidates per group profiled to confirm an estimate.
-        blocks: the modules checkpointing acts on: ``"auto"`` (declared, else discovered), or
-            module classes, dotted paths and name globs where discovery picks the wrong ones.
+        blocks: the modules checkpointing acts on: ``"auto"`` (declared, else discovered; ``"preset"``
+            is the same), or module classes, dotted paths and name globs where discovery picks the wrong ones.
 
     Raises:
         MisconfigurationException: bad arguments (in ``__init__``); in ``setup``: a strategy other
@@ -78,12 +82,12 @@ class MemoryBudget(Callback):
     def __init__(
         self,
         budget: float | None = None,
-        gpu: str | None = None,
+        gpu: GpuName | None = None,
         safety_margin: float = 0.1,
-        knobs: dict[str, Any] | None = None,
+        knobs: KnobsMapping | None = None,
         sample_batch: Any = None,
         verify: int = 3,
-        blocks: Any = "auto",
+        blocks: BlocksSpec = "auto",
     ) -> None:
         try:
             check_blocks(blocks)  # whether they match the model is checked in setup

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -25,7 +25,8 @@ from lightning_memopt.precision import (
     remove_fp32_islands,
     supports_bf16,
 )
-from lightning_memopt.precision.schedule import check_interval
+from lightning_memopt.precision.resolve import PrecisionSetting
+from lightning_memopt.precision.schedule import PrecisionScheduleSpec, ScheduleInterval, check_interval
 from lightning_memopt.selection import ModuleSpec, normalise_specs
 from lightning_memopt.strategies import MemoptFSDPStrategy
 
@@ -48,7 +49,8 @@ class PrecisionSwitch(Callback):
             elsewhere), or ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` (and Lightning's
             aliases 32, 16, "bf16"): the precision wherever the schedule says nothing.
         schedule: ``{start: precision}`` or a list of ``[start, precision]`` pairs and
-            ``{start, end, precision}`` mappings; see :class:`~lightning_memopt.precision.PrecisionSchedule`.
+            ``{start, end, precision}`` mappings (a precision there may be ``"auto"`` too); see
+            :class:`~lightning_memopt.precision.PrecisionSchedule`. ``None``: no schedule.
         schedule_interval: ``"step"`` (optimizer steps) or ``"epoch"``.
         fail_safe: skip optimizer steps with a non-finite loss or gradient and step down
             16-mixed → bf16-mixed → 32-true after ``patience`` in a row, or when the fp16 loss scale
@@ -58,7 +60,8 @@ class PrecisionSwitch(Callback):
         patience: consecutive non-finite steps before stepping down.
         min_loss_scale: the fp16 loss scale below which the run steps down.
         fp32_modules: submodules to run as fp32 islands (classes, dotted paths, name globs), or
-            ``"preset"`` for the islands the model declares (the margin head and the normal-head output conv).
+            ``"preset"`` for the islands the model declares (the margin head and the normal-head output conv);
+            ``None``: no islands.
 
     Raises:
         MisconfigurationException: a bad argument (in ``__init__``); in ``setup``, a Trainer with
@@ -75,13 +78,13 @@ class PrecisionSwitch(Callback):
 
     def __init__(
         self,
-        precision: str | int = "auto",
-        schedule: Any = None,
-        schedule_interval: str = "step",
+        precision: PrecisionSetting = "auto",
+        schedule: PrecisionScheduleSpec | None = None,
+        schedule_interval: ScheduleInterval = "step",
         fail_safe: bool | None = None,
         patience: int = 3,
         min_loss_scale: float = 1.0,
-        fp32_modules: ModuleSpec | Iterable[ModuleSpec] | None = None,
+        fp32_modules: Literal["preset"] | ModuleSpec | Iterable[ModuleSpec] | None = None,
     ) -> None:
         try:
             self.precision = "auto" if precision == "auto" else normalise_precision(precision)

@@ -11,7 +11,15 @@ Example::
 """
 
 from lightning_memopt.checkpointing.offload import offload_to_host
-from lightning_memopt.checkpointing.policy import MODES, Policy, check_blocks, parse_policy
+from lightning_memopt.checkpointing.policy import (
+    MODES,
+    BlocksSpec,
+    CheckpointMode,
+    Policy,
+    PolicySpec,
+    check_blocks,
+    parse_policy,
+)
 from lightning_memopt.checkpointing.selective import SAVED_OP_NAMES, SAVED_OPS, selective_context
 from lightning_memopt.checkpointing.wrap import (
     CheckpointReport,
@@ -25,8 +33,11 @@ __all__ = [
     "MODES",
     "SAVED_OPS",
     "SAVED_OP_NAMES",
+    "BlocksSpec",
+    "CheckpointMode",
     "CheckpointReport",
     "Policy",
+    "PolicySpec",
     "apply_activation_checkpointing",
     "check_blocks",
     "checkpoint_mode",

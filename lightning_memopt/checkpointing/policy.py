@@ -11,19 +11,33 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
+from typing_extensions import TypedDict
 
 from lightning_memopt.arguments import check_int
 from lightning_memopt.models.structure import model_structure
 from lightning_memopt.selection import ModuleSpec, normalise_specs, select_modules, spec_name
 
 MODES = ("full", "selective", "offload")
+CheckpointMode = Literal["full", "selective", "offload"]  # == MODES (tests/test_public_signatures.py)
 # "auto": the blocks the model declares, else the repeated blocks discovered in it; "preset" is its old name
 AUTO = ("auto", "preset")
+AutoBlocks = Literal["auto", "preset"]  # == AUTO
 KEYWORDS = {"auto": "full", "preset": "full", "selective": "selective", "offload": "offload", "every_n": "full"}
+PolicyKeyword = Literal["auto", "preset", "selective", "offload", "every_n"]  # == tuple(KEYWORDS)
 POLICY_KEYS = ("modules", "every_n", "mode")
+# the ``blocks`` argument: "auto" (declared, else discovered) or module classes, dotted class paths and name globs
+BlocksSpec = AutoBlocks | ModuleSpec | Sequence[ModuleSpec] | None
+
+
+class PolicyMapping(TypedDict, total=False):
+    """A :class:`Policy` as a mapping of its arguments (keys == POLICY_KEYS)."""
+
+    modules: AutoBlocks | ModuleSpec | Sequence[ModuleSpec] | None
+    every_n: int | Literal["sqrt"] | None
+    mode: CheckpointMode
 
 
 @dataclass(frozen=True)
@@ -55,14 +69,14 @@ class Policy:
     """
 
     modules: tuple[ModuleSpec, ...] | None = None
-    every_n: int | str | None = None
-    mode: str = "full"
+    every_n: int | Literal["sqrt"] | None = None
+    mode: CheckpointMode = "full"
 
     def __init__(
         self,
         modules: ModuleSpec | Iterable[ModuleSpec] | None = None,
-        every_n: int | str | None = None,
-        mode: str = "full",
+        every_n: int | Literal["sqrt"] | None = None,
+        mode: CheckpointMode = "full",
     ) -> None:
         if not isinstance(mode, str) or mode not in MODES:
             raise ValueError(f"Unknown `mode`={mode!r}; valid choices: {', '.join(MODES)}")
@@ -88,6 +102,11 @@ class Policy:
         return found if self.every_n is None else _every_nth_sibling(found, self.every_n)
 
 
+# what parse_policy takes: a keyword, a module class, dotted class path or name glob, a mapping, a Policy, or a list
+PolicyItem = PolicyKeyword | ModuleSpec | PolicyMapping | Policy
+PolicySpec = PolicyItem | Sequence[PolicyItem]
+
+
 def check_blocks(blocks: Any) -> None:
     """Check the ``blocks`` argument of the planner: ``"auto"`` or module classes, dotted paths and name globs.
 
@@ -108,7 +127,7 @@ def check_blocks(blocks: Any) -> None:
     normalise_specs(blocks, "blocks")
 
 
-def parse_policy(spec: Any) -> tuple[Policy, ...]:
+def parse_policy(spec: PolicySpec) -> tuple[Policy, ...]:
     """Turn a policy given as an object, string, class, mapping or list of those into policies.
 
     Strings: ``"auto"`` (full recomputation of the model's declared, else discovered, blocks;

@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memopt.checkpointing.offload import offload_to_host
-from lightning_memopt.checkpointing.policy import Policy, parse_policy
+from lightning_memopt.checkpointing.policy import Policy, PolicySpec, parse_policy
 from lightning_memopt.checkpointing.selective import selective_context
 from lightning_memopt.selection import describe_model
 
@@ -75,7 +75,7 @@ class CheckpointedForward:
         return checkpoint(function, *args, **options, **kwargs)
 
 
-def checkpoint_modules(model: nn.Module, policy: Any) -> CheckpointReport:
+def checkpoint_modules(model: nn.Module, policy: PolicySpec) -> CheckpointReport:
     """Checkpoint the modules of ``model`` that ``policy`` selects; see :func:`apply_activation_checkpointing`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be an nn.Module, got {model!r} ({type(model).__name__})")
@@ -107,7 +107,7 @@ def checkpoint_modules(model: nn.Module, policy: Any) -> CheckpointReport:
     return report
 
 
-def apply_activation_checkpointing(model: nn.Module, policy: Any = "auto") -> int:
+def apply_activation_checkpointing(model: nn.Module, policy: PolicySpec = "auto") -> int:
     """Checkpoint the modules of ``model`` that ``policy`` selects; return how many are checkpointed.
 
     Applying again is idempotent (a module already wrapped the same way is left as it is, one

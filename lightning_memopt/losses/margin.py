@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 REDUCTIONS = ("mean", "none")
+Reduction = Literal["mean", "none"]  # == REDUCTIONS
 _COS_CLAMP = 1.0 - 1e-7
 
 
@@ -78,7 +80,7 @@ class CombinedMarginLoss(nn.Module):
         logits = cosine.index_put((rows, labels), target)
         return logits * self.scale
 
-    def forward(self, cosine: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
+    def forward(self, cosine: Tensor, labels: Tensor, reduction: Reduction = "mean") -> Tensor:
         """Cross-entropy of the margin logits; ``cosine`` is [B, C], ``labels`` [B].
 
         ``reduction="none"`` gives the ``[B]`` per-sample losses (for sample weights), ``"mean"`` their mean.

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
-from lightning_memopt.losses.margin import CombinedMarginLoss
+from lightning_memopt.losses.margin import CombinedMarginLoss, Reduction
 from lightning_memopt.models.structure import MemoryStructure
 
 
@@ -96,7 +96,9 @@ class PartialFC(nn.Module):
         """The margin head is an fp32 island: its logits span every class."""
         return MemoryStructure(fp32_islands=(self,))
 
-    def forward(self, embeddings: Tensor, labels: Tensor, reduction: str = "mean") -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        self, embeddings: Tensor, labels: Tensor, reduction: Reduction = "mean"
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Loss over the (sampled) centres, in fp32 with autocast off.
 
         Returns:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import Tensor, nn
 
 VARIANTS = ("diagram", "symmetric")
+TopologyVariant = Literal["diagram", "symmetric"]  # == VARIANTS
 _TINY = 1e-30  # keeps sqrt's gradient finite where a squared distance is (nearly) zero
 
 
@@ -99,7 +102,9 @@ def _lexicographic_order(lengths: Tensor, keys: Tensor) -> Tensor:
     return by_key[torch.argsort(lengths[by_key], stable=True)]
 
 
-def topological_alignment_loss(input_distances: Tensor, latent_distances: Tensor, variant: str = "diagram") -> Tensor:
+def topological_alignment_loss(
+    input_distances: Tensor, latent_distances: Tensor, variant: TopologyVariant = "diagram"
+) -> Tensor:
     """The signature loss between two ``[B, B]`` distance matrices, divided by ``B``.
 
     - ``"symmetric"`` (Moor et al.): ``½‖A_X[π_X] − A_Z[π_X]‖² + ½‖A_Z[π_Z] − A_X[π_Z]‖²``, where
@@ -166,7 +171,7 @@ class TopologicalAlignmentLoss(nn.Module):
         torch.Size([8, 32])
     """
 
-    def __init__(self, variant: str = "diagram") -> None:
+    def __init__(self, variant: TopologyVariant = "diagram") -> None:
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"Unknown `variant`={variant!r}; valid choices: {', '.join(VARIANTS)}")

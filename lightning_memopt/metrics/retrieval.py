@@ -10,7 +10,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
 from lightning_memopt.arguments import check_bool
-from lightning_memopt.metrics.functional.knn import check_search_options
+from lightning_memopt.metrics.functional.knn import DistanceMetric, SearchBackend, check_search_options
 from lightning_memopt.metrics.functional.retrieval import metrics_from_sums, retrieval_sums
 from lightning_memopt.metrics.sharded import (
     communication_device,
@@ -41,9 +41,13 @@ class KNNRetrieval(Metric):
 
     Args:
         metric: ``"cosine"`` or ``"euclidean"``.
-        chunk_size: queries per chunk; ``max_memory``: bytes for a chunk's scores (derives the chunk).
+        chunk_size: queries per chunk, at least 1; ``None`` derives it from ``max_memory``.
+        max_memory: bytes for a chunk's scores, from which the chunk size is derived; ``None``: 1 GiB
+            (unless ``chunk_size`` is given).
         embeddings_on_cpu: keep the stored embeddings in host memory (and search there).
         backend: ``"torch"``, or ``"faiss"`` (exact flat index, extra ``faiss``).
+        **kwargs: torchmetrics ``Metric`` options (``compute_on_cpu``, ``process_group``, …), except
+            ``sync_on_compute`` and ``dist_sync_on_step``: the metric synchronises in ``compute`` itself.
 
     Raises:
         TypeError: a ``chunk_size`` / ``max_memory`` that is no number.
@@ -72,11 +76,11 @@ class KNNRetrieval(Metric):
 
     def __init__(
         self,
-        metric: str = "cosine",
+        metric: DistanceMetric = "cosine",
         chunk_size: int | None = None,
         max_memory: int | None = None,
         embeddings_on_cpu: bool = False,
-        backend: str = "torch",
+        backend: SearchBackend = "torch",
         **kwargs: Any,
     ) -> None:
         if kwargs.get("sync_on_compute") or kwargs.get("dist_sync_on_step"):

@@ -30,6 +30,11 @@ class FaceVerification(Metric):
     - ``threshold``: the mean of those thresholds.
     - ``tar_at_far_…``: one entry for each of ``far_targets`` (``tar_at_far_0.001``).
 
+    Args:
+        folds: contiguous folds of the pair list for the accuracy's threshold selection, at least 2.
+        far_targets: false-accept rates in (0, 1] at which the true-accept rate is reported.
+        **kwargs: torchmetrics ``Metric`` options (``compute_on_cpu``, ``process_group``, …).
+
     Raises:
         ValueError: for ``folds`` < 2, FARs outside (0, 1], mismatched shapes, or compute without pairs.
         TypeError: ``folds`` or a FAR that is no number, ``far_targets`` that is no list.

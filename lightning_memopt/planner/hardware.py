@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Literal
 
 import torch
 from torch import nn
@@ -98,6 +99,20 @@ GPUS: dict[str, Hardware] = {
         _gpu("h200_141gb", 143771, True, 67.0, 989.0, 4800.0, 50.0, 450.0, 150.0),
     )
 }
+# the catalogue's names, as a type (== tuple(GPUS), tests/test_public_signatures.py)
+GpuName = Literal[
+    "v100_16gb",
+    "v100_32gb",
+    "t4_16gb",
+    "rtx3090_24gb",
+    "rtx4090_24gb",
+    "l4_24gb",
+    "a100_40gb",
+    "a100_80gb",
+    "a800_80gb",
+    "h100_80gb",
+    "h200_141gb",
+]
 # substrings of torch.cuda.get_device_name() -> catalogue entries, by total memory where names repeat
 _DEVICE_NAMES = (
     ("V100", ("v100_16gb", "v100_32gb")),

@@ -4,14 +4,30 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Literal
+
+from typing_extensions import TypedDict
 
 from lightning_memopt.arguments import check_bool, check_int, check_optional_int
-from lightning_memopt.models.structure import ATTENTION_IMPLS
+from lightning_memopt.models.structure import ATTENTION_IMPLS, AttentionImpl
 from lightning_memopt.planner.sharding import Sharding
+from lightning_memopt.precision.resolve import PrecisionName
 
 CHECKPOINT_MODES = ("none", "selective", "full", "offload")
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+CheckpointKnob = Literal["none", "selective", "full", "offload"]  # == CHECKPOINT_MODES
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")  # == typing.get_args(PrecisionName)
+
+
+class KnobsMapping(TypedDict, total=False):
+    """:class:`Knobs` as a mapping of its fields, as ``memopt-plan`` prints them (keys == :data:`FIELDS`)."""
+
+    precision: PrecisionName
+    attn_impl: AttentionImpl | None
+    checkpoint: CheckpointKnob
+    every_n: int
+    micro_batch_size: int | None
+    shards: int
+    cpu_offload: bool
 
 
 @dataclass(frozen=True)

@@ -12,19 +12,25 @@ from lightning_memopt.precision.plugin import SwitchablePrecision
 from lightning_memopt.precision.resolve import (
     LADDER,
     PRECISIONS,
+    PrecisionName,
+    PrecisionSetting,
     auto_precision,
     mantissa_bits,
     normalise_precision,
     step_down,
     supports_bf16,
 )
-from lightning_memopt.precision.schedule import INTERVALS, PrecisionSchedule
+from lightning_memopt.precision.schedule import INTERVALS, PrecisionSchedule, PrecisionScheduleSpec, ScheduleInterval
 
 __all__ = [
     "INTERVALS",
     "LADDER",
     "PRECISIONS",
+    "PrecisionName",
     "PrecisionSchedule",
+    "PrecisionScheduleSpec",
+    "PrecisionSetting",
+    "ScheduleInterval",
     "SwitchablePrecision",
     "apply_fp32_islands",
     "auto_precision",

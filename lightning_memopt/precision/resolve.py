@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 
 # the precisions PrecisionSwitch moves between: all keep fp32 weights, so a switch needs no conversion
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed"]  # == PRECISIONS (tests/test_public_signatures.py)
 # Lightning's legacy spellings
 ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+PrecisionAlias = Literal["32", "16", "bf16"]  # == tuple(ALIASES)
+# what a precision argument takes: "auto" (chosen for the device), a name, an alias (32 and 16 as integers too)
+PrecisionSetting = Literal["auto", PrecisionName, PrecisionAlias] | Literal[32, 16]
 # precisions that store the weights themselves in a low-precision type: set on the Trainer instead
 WEIGHT_PRECISIONS = ("bf16-true", "16-true", "64-true", "64", "transformer-engine", "transformer-engine-float16")
 # the fail-safe steps down this ladder, left to right, skipping what the device cannot run

@@ -4,12 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from lightning_memopt.precision.resolve import normalise_precision
+from typing_extensions import NotRequired, TypedDict
+
+from lightning_memopt.precision.resolve import PrecisionSetting, normalise_precision
 
 INTERVALS = ("step", "epoch")
+ScheduleInterval = Literal["step", "epoch"]  # == INTERVALS
 _ENTRY_KEYS = ("start", "end", "precision")
+
+
+class ScheduleEntryMapping(TypedDict):
+    """A schedule entry as a mapping: ``precision`` from ``start`` up to (not including) ``end``."""
+
+    start: int
+    end: NotRequired[int | None]
+    precision: PrecisionSetting
+
+
+# ``{start: precision}``, or a list of ``[start, precision]`` pairs and ``{start, end, precision}`` mappings
+PrecisionScheduleSpec = Mapping[int, PrecisionSetting] | Sequence[tuple[int, PrecisionSetting] | ScheduleEntryMapping]
 
 
 @dataclass(frozen=True)
@@ -55,7 +70,7 @@ class PrecisionSchedule:
         True
     """
 
-    def __init__(self, entries: Mapping[Any, Any] | Sequence[Any], interval: str = "step") -> None:
+    def __init__(self, entries: PrecisionScheduleSpec, interval: ScheduleInterval = "step") -> None:
         self.interval = check_interval(interval)
         if not isinstance(entries, Mapping) and (isinstance(entries, str) or not isinstance(entries, Sequence)):
             raise ValueError(

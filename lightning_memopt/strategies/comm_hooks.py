@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,7 @@ from lightning_memopt.arguments import check_bool, check_int
 from lightning_memopt.strategies.powersgd_state import ResumablePowerSGD
 
 COMM_HOOKS = ("none", "allreduce", "fp16", "bf16", "powersgd")
+CommHookName = Literal["none", "allreduce", "fp16", "bf16", "powersgd"]  # == COMM_HOOKS
 
 
 def check_powersgd_options(rank: Any, warmup: Any, error_feedback: Any) -> tuple[int, int, bool]:

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_memopt.arguments import check_bool, check_optional_bool
 from lightning_memopt.checkpointing import checkpoint_mode
-from lightning_memopt.strategies.comm_hooks import COMM_HOOKS, check_powersgd_options, comm_hook
+from lightning_memopt.strategies.comm_hooks import COMM_HOOKS, CommHookName, check_powersgd_options, comm_hook
 
 POWERSGD_KEY = "memopt_powersgd"  # checkpoint entry: one PowerSGD state per rank
 
@@ -23,20 +23,29 @@ POWERSGD_KEY = "memopt_powersgd"  # checkpoint entry: one PowerSGD state per ran
 class MemoptDDPStrategy(DDPStrategy):
     """DDP configured for memory: gradient buckets as views, static graph under checkpointing, compressed all-reduce.
 
-    - ``gradient_as_bucket_view=True``: gradients live in DDP's communication buckets, saving
-      one copy of the gradients.
-    - ``static_graph``: on when activation checkpointing is active on the module (``None``, the
-      default, decides at setup), so DDP knows each parameter's gradient arrives once per step.
-    - ``comm_hook``: ``"none"`` (DDP's C++ all-reduce), ``"allreduce"`` (the same in Python),
-      ``"fp16"`` / ``"bf16"`` (half-precision all-reduce) or ``"powersgd"`` (rank-``powersgd_rank``
-      factors after ``powersgd_warmup`` iterations, with error feedback). Registered on every
-      device, CPU / gloo included; Lightning's own DDP registers hooks on CUDA only.
-    - PowerSGD's state (each rank's error feedback, the warm-start factors, the iteration) is saved
-      in checkpoints under ``"memopt_powersgd"`` and restored on resume with the same world size.
-      Each rank's error feedback is a copy of its gradients, so a checkpoint grows by world size ×
-      the model's fp32 size; rank 0 holds them in host memory while saving.
+    The communication hook is registered on every device, CPU / gloo included (Lightning's own DDP
+    registers hooks on CUDA only). PowerSGD's state (each rank's error feedback, the warm-start
+    factors, the iteration) is saved in checkpoints under ``"memopt_powersgd"`` and restored on
+    resume with the same world size. Each rank's error feedback is a copy of its gradients, so a
+    checkpoint grows by world size × the model's fp32 size; rank 0 holds them in host memory while saving.
 
     Registered names: ``ddp_memopt``, ``ddp_powersgd``, ``ddp_fp16_compress``, ``ddp_bf16_compress``.
+
+    Args:
+        comm_hook: how gradients are all-reduced: ``"none"`` (DDP's C++ all-reduce), ``"allreduce"``
+            (the same as a Python hook), ``"fp16"`` / ``"bf16"`` (half-precision all-reduce) or
+            ``"powersgd"`` (rank-``powersgd_rank`` factors after ``powersgd_warmup`` iterations).
+        powersgd_rank: the rank of PowerSGD's low-rank factors, at least 1.
+        powersgd_warmup: iterations of plain all-reduce before PowerSGD starts, at least 2.
+        error_feedback: PowerSGD adds each rank's compression error to its next gradients.
+        static_graph: tell DDP each parameter's gradient arrives once per step; ``None`` (the
+            default) turns it on at setup when activation checkpointing is active on the module.
+        gradient_as_bucket_view: gradients live in DDP's communication buckets, saving one copy of
+            the gradients.
+        **kwargs: Lightning's ``DDPStrategy`` arguments (``process_group_backend``, ``timeout``,
+            ``start_method``, …) and ``DistributedDataParallel``'s (``find_unused_parameters``,
+            ``broadcast_buffers``, …); not ``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper``
+            or ``model_averaging_period``, which ``comm_hook`` replaces.
 
     Raises:
         MisconfigurationException: for an unknown ``comm_hook``, a bad PowerSGD option, or a flag
@@ -52,7 +61,7 @@ class MemoptDDPStrategy(DDPStrategy):
 
     def __init__(
         self,
-        comm_hook: str = "none",
+        comm_hook: CommHookName = "none",
         powersgd_rank: int = 1,
         powersgd_warmup: int = 1000,
         error_feedback: bool = True,

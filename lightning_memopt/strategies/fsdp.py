@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -19,11 +19,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_memopt.arguments import check_bool
-from lightning_memopt.checkpointing.policy import check_blocks
-from lightning_memopt.selection import ModuleSpec
+from lightning_memopt.checkpointing.policy import BlocksSpec, check_blocks
 from lightning_memopt.strategies.sharding import ShardingError, shard_model
 
 PARAM_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ParamDtype = Literal["auto", "bf16", "fp16", "fp32"]  # == tuple(PARAM_DTYPES)
 _MIXED = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
 
 
@@ -87,9 +87,13 @@ class MemoptFSDPStrategy(ModelParallelStrategy):
             Gradients are always reduced in fp32 and sharded parameters kept as stored. Under
             PrecisionSwitch ``"auto"`` gathers as stored, and the switchable autocast chooses the
             compute precision step by step.
-        blocks: the units: ``"auto"`` or module classes, dotted paths and name globs.
+        blocks: the units: ``"auto"`` (the blocks the model declares, else the repeated blocks
+            discovered; ``"preset"`` is the same), or module classes, dotted class paths and name globs.
         save_distributed_checkpoint: one shard per rank (a folder), or a full checkpoint on rank 0.
-        process_group_backend / timeout: as for Lightning's strategies (``gloo`` on the CPU, ``nccl`` on CUDA).
+        process_group_backend: the ``torch.distributed`` backend; ``None``: ``"gloo"`` on the CPU, and on
+            CUDA ``"cuda:nccl,cpu:gloo"`` (NCCL for the units, gloo for shards offloaded to the host).
+        timeout: how long a collective may wait for the other ranks (on the command line ``h:m:s``,
+            e.g. ``0:30:00``); ``None`` is torch's default.
 
     Raises:
         MisconfigurationException: a bad argument (in ``__init__``: the flags take a bool or a word such
@@ -107,8 +111,8 @@ class MemoptFSDPStrategy(ModelParallelStrategy):
         self,
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
-        param_dtype: str = "auto",
-        blocks: ModuleSpec | Iterable[ModuleSpec] = "auto",
+        param_dtype: ParamDtype = "auto",
+        blocks: BlocksSpec = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from lightning.pytorch import LightningModule
@@ -21,7 +21,7 @@ from lightning_memopt.losses import (
     hard_sample_probability,
     prediction_entropy,
 )
-from lightning_memopt.losses.topology import VARIANTS
+from lightning_memopt.losses.topology import VARIANTS, TopologyVariant
 from lightning_memopt.metrics import FaceVerification, KNNRetrieval
 from lightning_memopt.metrics.sharded import communication_device, is_distributed, max_over_ranks
 from lightning_memopt.models import create_model
@@ -33,9 +33,10 @@ from lightning_memopt.tasks.checks import (
     check_options,
     check_pretrained,
 )
-from lightning_memopt.tasks.lr_schedule import clip_sharded_root, step_scheduler
+from lightning_memopt.tasks.lr_schedule import ScheduleName, clip_sharded_root, step_scheduler
 
 OPTIMIZERS = ("sgd", "adamw")
+OptimizerName = Literal["sgd", "adamw"]  # == OPTIMIZERS
 
 
 class FaceRecognitionModule(LightningModule):
@@ -107,6 +108,10 @@ class FaceRecognitionModule(LightningModule):
         torch.Size([])
     """
 
+    # what memopt-train returns to a sweeper by default (`objective=auto`), and which way is better:
+    # classification accuracy on the validation identities
+    validation_objective = ("val/acc", "max")
+
     def __init__(
         self,
         num_classes: int,
@@ -118,19 +123,19 @@ class FaceRecognitionModule(LightningModule):
         margin_list: Sequence[float] = (1.0, 0.5, 0.0),
         scale: float = 64.0,
         sample_rate: float = 1.0,
-        optimizer: str = "sgd",
+        optimizer: OptimizerName = "sgd",
         lr: float = 0.1,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
         betas: Sequence[float] = (0.9, 0.999),
         warmup_steps: int = 0,
-        schedule: str = "polynomial",
+        schedule: ScheduleName = "polynomial",
         power: float = 2.0,
         clip_backbone_only: bool = True,
         retrieval_options: Mapping[str, Any] | None = None,
         verification_options: Mapping[str, Any] | None = None,
         topo_weight: float = 0.0,
-        topo_variant: str = "diagram",
+        topo_variant: TopologyVariant = "diagram",
         topo_input_size: int | None = None,
         hard_sample_weighting: bool = False,
         em_iterations: int = 10,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.utilities.types import LRSchedulerConfigType
@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfigType
 from lightning_memopt.arguments import check_float, check_int
 
 SCHEDULES = ("polynomial", "cosine", "constant")
+ScheduleName = Literal["polynomial", "cosine", "constant"]  # == SCHEDULES
 
 
 def check_schedule(schedule: object) -> str:
@@ -31,7 +32,7 @@ def check_schedule(schedule: object) -> str:
 
 
 def warmup_decay(
-    total_steps: int, warmup_steps: int = 0, schedule: str = "polynomial", power: float = 2.0
+    total_steps: int, warmup_steps: int = 0, schedule: ScheduleName = "polynomial", power: float = 2.0
 ) -> Callable[[int], float]:
     """Return ``step -> factor`` for :class:`torch.optim.lr_scheduler.LambdaLR`.
 

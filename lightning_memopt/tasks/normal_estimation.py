@@ -28,7 +28,7 @@ from lightning_memopt.tasks.checks import (
     check_options,
     check_pretrained,
 )
-from lightning_memopt.tasks.lr_schedule import clip_sharded_root, step_scheduler
+from lightning_memopt.tasks.lr_schedule import ScheduleName, clip_sharded_root, step_scheduler
 
 ANGLE_THRESHOLDS = (11.25, 22.5, 30.0)
 # Path components that wrappers (FSDP, activation checkpointing, torch.compile) insert in parameter names.
@@ -265,6 +265,10 @@ class NormalEstimationModule(LightningModule):
         torch.Size([])
     """
 
+    # what memopt-train returns to a sweeper by default (`objective=auto`), and which way is better:
+    # mean angular error in degrees over the validation pixels
+    validation_objective = ("val/mean_angle", "min")
+
     def __init__(
         self,
         backbone: str = "sapiens_0.3b",
@@ -277,7 +281,7 @@ class NormalEstimationModule(LightningModule):
         weight_decay: float = 0.1,
         layer_decay: float = 0.85,
         warmup_steps: int = 400,
-        schedule: str = "polynomial",
+        schedule: ScheduleName = "polynomial",
         power: float = 1.0,
         cosine_weight: float = 1.0,
         l1_weight: float = 1.0,

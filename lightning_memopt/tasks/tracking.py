@@ -27,7 +27,7 @@ from lightning_memopt.tasks.checks import (
     check_options,
     check_pretrained,
 )
-from lightning_memopt.tasks.lr_schedule import step_scheduler
+from lightning_memopt.tasks.lr_schedule import ScheduleName, step_scheduler
 
 DELTA_THRESHOLDS = (1.0, 2.0, 4.0, 8.0, 16.0)  # pixels, at a 256 × 256 scale as in TAP-Vid
 METRIC_RESOLUTION = 256.0
@@ -214,6 +214,10 @@ class TrackingModule(LightningModule):
         (['confidence_loss', 'loss', 'track_loss', 'visibility_loss'], torch.Size([1, 4, 3, 2]))
     """
 
+    # what memopt-train returns to a sweeper by default (`objective=auto`), and which way is better:
+    # mean fraction of visible points tracked within the TAP-Vid thresholds
+    validation_objective = ("val/delta_avg", "max")
+
     def __init__(
         self,
         backbone: str = "cotracker2",
@@ -230,7 +234,7 @@ class TrackingModule(LightningModule):
         weight_decay: float = 1e-5,
         betas: Sequence[float] = (0.9, 0.999),
         warmup_steps: int = 0,
-        schedule: str = "cosine",
+        schedule: ScheduleName = "cosine",
         power: float = 2.0,
     ) -> None:
         super().__init__()

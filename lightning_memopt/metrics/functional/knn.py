@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from lightning_memopt.arguments import check_bool, check_float, check_int, check_optional_int
 
 METRICS = ("cosine", "euclidean")
+DistanceMetric = Literal["cosine", "euclidean"]  # == METRICS
 BACKENDS = ("torch", "faiss")
+SearchBackend = Literal["torch", "faiss"]  # == BACKENDS
 DEFAULT_MEMORY = 2**30  # bytes of scores per chunk when neither a chunk nor a budget is given
 _EPS = 1e-12
 
