@@ -1,7 +1,8 @@
-"""Locate the Hydra config tree and build objects from its groups."""
+"""Locate the Hydra config tree, build objects from its groups, and send Lightning's log lines to Hydra's job log."""
 
 from __future__ import annotations
 
+import logging
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -52,3 +53,54 @@ def instantiate_named(group: DictConfig | None, what: str) -> list[Any]:
             )
         objects.append(instantiate(entry))
     return objects
+
+
+# Lightning's loggers: `lightning` always adds a console handler ("INFO: …") on import; `lightning.pytorch` and
+# `lightning.fabric` add one each (no formatter) and stop propagating when imported while the root logger has no
+# handler (before Hydra's job logging is set up).
+_LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
+
+
+def route_lightning_logs() -> int:
+    """Send Lightning's log lines through the root logger: to Hydra's job log file, and once to the console.
+
+    Call it in a Hydra task (Hydra has configured the root logger then). Lightning is imported here (the
+    run imports it anyway); the console handlers Lightning added to its own loggers are removed and those
+    loggers propagate, so ``<run dir>/<job name>.log`` gets "GPU available: …", "`Trainer.fit` stopped: …"
+    and ``rank_zero_info`` lines, and the console shows each once, in Hydra's format. Handlers configured
+    by someone else are kept; without a handler on the root logger (``hydra/job_logging=none``) nothing
+    is changed.
+
+    Returns:
+        The number of Lightning's console handlers removed.
+
+    Example::
+
+        >>> import logging
+        >>> loggers = [logging.getLogger(name) for name in _LIGHTNING_LOGGERS]
+        >>> saved = [(logger.handlers[:], logger.propagate) for logger in loggers]
+        >>> logging.getLogger().addHandler(job_log := logging.NullHandler())  # what Hydra's job logging adds
+        >>> _ = route_lightning_logs()
+        >>> [logger.propagate for logger in loggers]
+        [True, True, True]
+        >>> logging.getLogger().removeHandler(job_log)
+        >>> for logger, (handlers, propagate) in zip(loggers, saved):  # as it was, for the other examples
+        ...     logger.handlers[:], logger.propagate = handlers, propagate
+    """
+    import lightning
+    import lightning.pytorch  # noqa: F401  (its loggers set up as Lightning sets them up on import)
+
+    if not logging.getLogger().handlers:
+        return 0
+    removed = 0
+    for name in _LIGHTNING_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            ours = handler is getattr(lightning, "_console", None) or (
+                type(handler) is logging.StreamHandler and handler.formatter is None
+            )
+            if ours:
+                logger.removeHandler(handler)
+                logger.propagate = True
+                removed += 1
+    return removed

@@ -22,10 +22,8 @@ from contextlib import contextmanager
 from typing import Any, NoReturn
 
 from hydra.errors import HydraException, InstantiationException
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_memopt.accumulation import SampleOutOfMemoryError
 from lightning_memopt.arguments import InputError
 
 # What torch puts into the message of an error re-raised from a DataLoader worker, before the worker's traceback
@@ -35,12 +33,11 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
 # Errors that always mean a bad input: worded for the user (Lightning's configuration errors, Hydra's and
-# OmegaConf's, ours for a step too large or for malformed data, a missing file or package)
+# OmegaConf's, ours for a step too large or for malformed data, a missing file or package). Lightning's and
+# ours for a step too large come from `_worded_for_users`: this module imports neither torch nor Lightning.
 _WORDED_FOR_USERS: tuple[type[BaseException], ...] = (
-    MisconfigurationException,
     OmegaConfBaseException,
     HydraException,
-    SampleOutOfMemoryError,
     InputError,
     FileNotFoundError,
     IsADirectoryError,
@@ -48,6 +45,28 @@ _WORDED_FOR_USERS: tuple[type[BaseException], ...] = (
     PermissionError,
     ModuleNotFoundError,  # an optional package missing (faiss, prometheus_client, torch_xla for accelerator=tpu)
 )
+
+
+def _worded_for_users() -> tuple[type[BaseException], ...]:
+    """The error classes worded for users, imported when an error is classified.
+
+    Lightning's ``MisconfigurationException`` and our ``SampleOutOfMemoryError`` are imported only once torch
+    is: before that no instance of them can exist, and a bad input found early (a Trainer option, before the
+    run is built) is told at once, without loading torch.
+
+    Example::
+
+        >>> from lightning.fabric.utilities.exceptions import MisconfigurationException
+        >>> MisconfigurationException in _worded_for_users()
+        True
+    """
+    if "torch" not in sys.modules:
+        return _WORDED_FOR_USERS
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lightning_memopt.accumulation import SampleOutOfMemoryError
+
+    return (*_WORDED_FOR_USERS, MisconfigurationException, SampleOutOfMemoryError)
 
 
 def debugging() -> bool:
@@ -70,7 +89,7 @@ def _input_error(error: BaseException, building: bool) -> BaseException | None:
     """
     while isinstance(error, InstantiationException) and error.__cause__ is not None:
         error = error.__cause__
-    if isinstance(error, _WORDED_FOR_USERS):
+    if isinstance(error, _worded_for_users()):
         return error
     if isinstance(error, ValueError | TypeError) and (building or "`" in str(error)):
         return error
@@ -115,7 +134,7 @@ def describe(error: BaseException) -> str:
     if WORKER_TRACEBACK in text:  # DataLoader workers re-raise with the worker's traceback in the message
         text = text.rstrip().splitlines()[-1].split(": ", 1)[-1]
     text = " ".join(text.split()) or type(error).__name__
-    if "`" in text or isinstance(error, _WORDED_FOR_USERS):
+    if "`" in text or isinstance(error, _worded_for_users()):
         return text
     return f"{type(error).__name__}: {text} (--debug shows where)"
 

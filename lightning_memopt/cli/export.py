@@ -15,23 +15,19 @@ of our presets (``--model`` names it). The output is a bare official state dict 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from lightning_memopt.cli.errors import input_errors
-from lightning_memopt.models.official import OfficialCheckpointError, official_layout
-from lightning_memopt.models.official.layout import convert_to_official
-from lightning_memopt.models.registry import create_model
-from lightning_memopt.selection import WRAPPER_NAMES
-from lightning_memopt.strategies.consolidate import check_checkpoint, consolidate_checkpoint, is_sharded_checkpoint
+
+# torch is imported once an export starts, not with this module: `memopt-export --help` answers at once.
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
-def _unwrapped(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+def _unwrapped(name: str, wrapper_names: Collection[str]) -> str:
+    return ".".join(part for part in name.split(".") if part not in wrapper_names)
 
 
 def network_state_dict(state_dict: Mapping[str, Tensor], template: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -42,12 +38,16 @@ def network_state_dict(state_dict: Mapping[str, Tensor], template: Mapping[str, 
 
     Example::
 
+        >>> import torch
         >>> template = {"fc.weight": torch.zeros(1), "fc.bias": torch.zeros(1)}
         >>> task = {"backbone.fc.weight": torch.ones(1), "backbone.fc.bias": torch.ones(1), "head.w": torch.ones(1)}
         >>> sorted(network_state_dict(task, template))
         ['fc.bias', 'fc.weight']
     """
-    tensors = {_unwrapped(name): value for name, value in state_dict.items()}
+    from lightning_memopt.models.official import OfficialCheckpointError
+    from lightning_memopt.selection import WRAPPER_NAMES
+
+    tensors = {_unwrapped(name, WRAPPER_NAMES): value for name, value in state_dict.items()}
     first = next(iter(template))
     prefixes = [name[: -len(first)] for name in tensors if name.endswith(first)]
     for prefix in prefixes:
@@ -75,6 +75,12 @@ def export_official(
         OfficialCheckpointError: for an unknown preset, a preset without an official layout, or a
             checkpoint that does not hold the network.
     """
+    import torch
+
+    from lightning_memopt.models.official import OfficialCheckpointError, official_layout
+    from lightning_memopt.models.official.layout import convert_to_official
+    from lightning_memopt.models.registry import create_model
+
     hyper_parameters = checkpoint.get("hyper_parameters", {})
     name = model or hyper_parameters.get("backbone")
     if name is None:
@@ -97,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("output", type=Path, help="where to write the official state dict")
     parser.add_argument("--model", help="the preset (default: the checkpoint's `backbone`)")
     args = parser.parse_args(argv)
+    import torch
+
+    from lightning_memopt.strategies.consolidate import check_checkpoint, consolidate_checkpoint, is_sharded_checkpoint
+
     with input_errors("memopt-export", building=True):
         check_checkpoint("checkpoint", args.checkpoint)
         if is_sharded_checkpoint(args.checkpoint):  # fsdp_memopt's folder of shards

@@ -12,27 +12,34 @@ Examples (shell)::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import hydra
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_memopt.arguments import check_bool, check_float, check_int
-from lightning_memopt.cli.config import config_dir
+from lightning_memopt.cli.config import config_dir, route_lightning_logs
 from lightning_memopt.cli.errors import fail, input_errors, run_hydra_app, task_started
-from lightning_memopt.planner import Plan, gpu, plan, with_budget
-from lightning_memopt.planner.config import (
-    FAMILY_DATA,
-    family,
-    first_batch,
-    instantiate_model,
-    result_changing_options,
-    train_command,
-)
+
+# torch and Lightning (through the planner) are imported once the task starts, not with this module:
+# `memopt-plan --help`, `--cfg job` and shell completion then answer at once.
+if TYPE_CHECKING:
+    from lightning_memopt.planner import Plan
 
 
 def plan_config(cfg: DictConfig, overrides: list[str]) -> tuple[Plan, list[str]]:
     """Plan ``cfg`` (composed from ``overrides``); returns the plan and the overrides that reproduce the config."""
+    from lightning_memopt.planner import gpu, plan, with_budget
+    from lightning_memopt.planner.config import (
+        FAMILY_DATA,
+        family,
+        first_batch,
+        instantiate_model,
+        result_changing_options,
+    )
+
     data_default = FAMILY_DATA.get(family(cfg))
     chose_data = any(o.startswith(("data=", "experiment=")) for o in overrides)
     data_choice = HydraConfig.get().runtime.choices.get("data")
@@ -64,6 +71,9 @@ def _blocks(blocks: object) -> object:
 def _plan_app(cfg: DictConfig) -> float:
     """Hydra task: prints the candidates, the choice and its ``memopt-train`` command; returns its peak (GiB)."""
     task_started()
+    route_lightning_logs()
+    from lightning_memopt.planner.config import train_command
+
     with input_errors("memopt-plan", building=True):
         result, overrides = plan_config(cfg, list(HydraConfig.get().overrides.task))
     print(result.table(), flush=True)

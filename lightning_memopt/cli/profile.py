@@ -10,21 +10,28 @@ Examples (shell)::
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lightning_memopt.cli.config import config_dir
+from lightning_memopt.cli.config import config_dir, route_lightning_logs
 from lightning_memopt.cli.errors import input_errors, run_hydra_app, task_started
-from lightning_memopt.memory.profile import MemoryProfile, profile_step
-from lightning_memopt.planner.config import instantiate_model
+
+# torch and Lightning are imported once the task starts, not with this module: `memopt-profile --help`,
+# `--cfg job` and shell completion then answer at once.
+if TYPE_CHECKING:
+    from lightning_memopt.memory.profile import MemoryProfile
 
 _GIB = 2**30
 
 
 def profile(cfg: DictConfig) -> MemoryProfile:
     """Profile one step of ``cfg.model`` on a batch of ``cfg.data`` under ``cfg.trainer.precision``."""
+    from lightning_memopt.memory.profile import profile_step
+    from lightning_memopt.planner.config import instantiate_model
+
     datamodule = instantiate(cfg.data)
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
@@ -64,6 +71,7 @@ def write_breakdown_chart(result: MemoryProfile, path: Path) -> None:
 def _profile_app(cfg: DictConfig) -> float:
     """Hydra task: prints the profile table and returns the peak in GiB."""
     task_started()
+    route_lightning_logs()
     with input_errors("memopt-profile", building=True):
         result = profile(cfg)
     print(f"memopt-profile: model={cfg.model.backbone} batch={cfg.data.batch_size}\n{result.table()}", flush=True)

@@ -16,8 +16,9 @@ import numpy as np
 
 from lightning_memopt.arguments import InputError
 from lightning_memopt.cli.errors import input_errors
-from lightning_memopt.data.image_folder_face import ImageFolderFaceDataset, scan_image_folder
-from lightning_memopt.data.memmap_face import IMAGES_FILE, LABELS_FILE, META_FILE, make_meta
+
+# The datasets (torch) are imported by `pack_image_folder`, not with this module, so that `main` parses and
+# answers `--help` before torch is loaded.
 
 
 def pack_image_folder(
@@ -58,6 +59,9 @@ def pack_image_folder(
     """
     if image_size is not None and image_size < 1:
         raise InputError(f"`image_size` must be at least 1 or None, got {image_size!r}")
+    from lightning_memopt.data.image_folder_face import ImageFolderFaceDataset, scan_image_folder
+    from lightning_memopt.data.memmap_face import IMAGES_FILE, LABELS_FILE, META_FILE, make_meta
+
     classes, samples = scan_image_folder(src)
     dataset = ImageFolderFaceDataset(samples, image_size)
     dst = os.fspath(dst)

@@ -44,6 +44,11 @@ class PairDataset(Dataset):
 
     The index lets a metric restore the list order (and drop repeats) after a distributed sampler.
 
+    Args:
+        dataset: a dataset of ``(image, label)`` samples.
+        pairs: ``(index_a, index_b, same)`` triples of sample positions in ``dataset``, as
+            :func:`verification_pairs` makes them.
+
     Raises:
         TypeError: a pair is not ``(int, int, bool)``.
         ValueError: a pair names a sample outside ``dataset``.

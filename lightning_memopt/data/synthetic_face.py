@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_memopt.arguments import check_bool, check_int
 from lightning_memopt.data.face_datamodule import FaceDataModule
-from lightning_memopt.data.verification_pairs import PairDataset, verification_pairs
+from lightning_memopt.data.pairs import PairDataset, verification_pairs
 
 _PATTERN_SIZE = 8  # each identity is a random 3 x 8 x 8 pattern, upsampled to the image size
 _MAX_SHIFT_FRACTION = 1 / 16  # translation of a sample, as a fraction of the image size

@@ -1,8 +1,12 @@
-"""Registered strategy names: ``Trainer(strategy="ddp_powersgd")`` once ``lightning_memopt`` is imported.
+"""Registered strategy names: ``Trainer(strategy="ddp_powersgd")`` once this module is imported.
+
+Importing it registers ``ddp_memopt``, ``ddp_powersgd``, ``ddp_fp16_compress``, ``ddp_bf16_compress`` and
+``fsdp_memopt`` in Lightning's ``StrategyRegistry``; the first use of any public name of
+``lightning_memopt`` imports it too.
 
 Example::
 
-    >>> import lightning_memopt
+    >>> import lightning_memopt.strategies
     >>> from lightning.pytorch.strategies import StrategyRegistry
     >>> "ddp_powersgd" in StrategyRegistry and "fsdp_memopt" in StrategyRegistry
     True
