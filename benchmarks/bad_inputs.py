@@ -6,7 +6,7 @@ of the Hydra apps and per data format. The apps run in this process (Hydra and L
 in a scratch folder holding the broken files some cases point at.
 
     python benchmarks/bad_inputs.py              # runs every case, prints each outcome, writes bad_inputs.csv
-    python benchmarks/bad_inputs.py --table      # the README figure from the CSV
+    python benchmarks/bad_inputs.py --table      # the docs table from the CSV
 """
 
 from __future__ import annotations
@@ -86,6 +86,8 @@ CASES = [
     _train("run", "ckpt_path={tmp}/truncated.ckpt", expect=("`ckpt_path`", "truncated.ckpt", "not a readable")),
     _train("run", "ckpt_path={tmp}/faces", expect=("`ckpt_path`", "not a sharded checkpoint")),
     _train("run", "results_csv={tmp}", expect=("results_csv",)),
+    _train("run", "objective=3", expect=("`objective`", "3")),
+    _train("run", "objective=val/accc", expect=("`objective`", "'val/accc'", "val/acc")),  # after the fit
     _train("callbacks", "+callbacks.extra=3", expect=("`callbacks.extra`", "_target_")),
     _train("callbacks", "callbacks.last_checkpoint.dirpath=7", expect=("`dirpath`", "7")),
     # model
@@ -329,7 +331,7 @@ def last_line(output: str) -> str:
 
 
 def table(path: Path) -> str:
-    """The README figure: inputs tried and clean errors, per app."""
+    """The docs table: inputs tried and clean errors, per app."""
     by_app: dict[str, list[dict[str, str]]] = {}
     for row in read_rows(path):
         by_app.setdefault(row["app"], []).append(row)

@@ -11,23 +11,25 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import hydra
-import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, open_dict
 
 from lightning_memopt.arguments import check_bool, check_float, check_int, check_output_file
-from lightning_memopt.callbacks.last_checkpoint import LastCheckpoint
-from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
-from lightning_memopt.cli.config import config_dir, instantiate_named
+from lightning_memopt.cli.config import config_dir, instantiate_named, route_lightning_logs
 from lightning_memopt.cli.errors import EXIT_INTERRUPTED, input_errors, run_hydra_app, task_started
-from lightning_memopt.memory.allocator import configure_allocator
-from lightning_memopt.strategies.consolidate import check_checkpoint
+
+# torch and Lightning are imported once a run starts (in the functions below), not with this module:
+# `memopt-train --help`, `--cfg job` and shell completion then answer at once.
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
+    from lightning_memopt.cli.objective import Objective
 
 
 def check_launch_fits_hydra_mode(trainer: pl.Trainer) -> None:
@@ -40,6 +42,8 @@ def check_launch_fits_hydra_mode(trainer: pl.Trainer) -> None:
     Raises:
         MisconfigurationException: for a multirun with a multi-process ``ddp`` launch.
     """
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return
     strategy = trainer.strategy
@@ -123,6 +127,8 @@ def resolve_checkpoint_path(path: object) -> object:
     """``ckpt_path`` checked when it is a local path (``last``, ``best``, URLs go to Lightning as they are)."""
     if isinstance(path, str) and (path in _LIGHTNING_CHECKPOINT_NAMES or "://" in path):
         return path
+    from lightning_memopt.strategies.consolidate import check_checkpoint
+
     return check_checkpoint("ckpt_path", path)
 
 
@@ -135,10 +141,18 @@ class Run:
     datamodule: pl.LightningDataModule
     ckpt_path: object
     summary: TrainingSummary
+    objective: Objective | None = None
 
 
 def build_run(cfg: DictConfig) -> Run:
     """Check ``cfg``'s top-level keys and build data, model, callbacks, loggers and Trainer from it."""
+    import lightning.pytorch as pl
+
+    import lightning_memopt.strategies  # noqa: F401  (registers `trainer.strategy=ddp_memopt`, `fsdp_memopt`, …)
+    from lightning_memopt.callbacks.training_summary import TrainingSummary
+    from lightning_memopt.cli.objective import resolve_objective
+    from lightning_memopt.memory.allocator import configure_allocator
+
     ckpt_path = None if cfg.get("ckpt_path") is None else resolve_checkpoint_path(cfg.ckpt_path)
     check_trainer_options(cfg.trainer)
     configure_allocator(**cfg.memopt.get("allocator", {}))
@@ -146,17 +160,18 @@ def build_run(cfg: DictConfig) -> Run:
         pl.seed_everything(check_int("seed", cfg.seed), workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
+    objective = resolve_objective(cfg.get("objective", "auto"), model)
     overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
     results_csv = cfg.get("results_csv")
     if results_csv is not None:  # checked here to name the key the user set
         results_csv = check_output_file("results_csv", results_csv)
-    summary = TrainingSummary(csv_path=results_csv, label=" ".join(overrides))
+    summary = TrainingSummary(csv_path=results_csv, label=" ".join(overrides), print_summary=True)
     callbacks = instantiate_named(cfg.get("callbacks"), "callbacks")
     callbacks += instantiate_named(cfg.memopt.get("callbacks"), "memopt.callbacks")
     loggers = instantiate_named(cfg.get("logger"), "logger")
     trainer = instantiate(cfg.trainer, callbacks=[*callbacks, summary], logger=loggers or False)
     check_launch_fits_hydra_mode(trainer)
-    return Run(trainer, model, datamodule, ckpt_path, summary)
+    return Run(trainer, model, datamodule, ckpt_path, summary, objective)
 
 
 def fit(run: Run) -> FitSummary:
@@ -168,6 +183,11 @@ def fit(run: Run) -> FitSummary:
     Raises:
         KeyboardInterrupt: the fit was stopped with Ctrl-C (after ``last.ckpt`` was saved).
     """
+    from lightning.pytorch.utilities import rank_zero_info
+
+    from lightning_memopt.callbacks.last_checkpoint import LastCheckpoint
+    from lightning_memopt.cli.loggers import finish_logger_runs
+
     rank_zero_info(f"memopt-train: model={type(run.model).__name__} data={type(run.datamodule).__name__}")
     last_checkpoints = [callback for callback in run.trainer.callbacks if isinstance(callback, LastCheckpoint)]
     try:
@@ -176,9 +196,34 @@ def fit(run: Run) -> FitSummary:
         if any(callback.stop_requested for callback in last_checkpoints):
             raise KeyboardInterrupt from None
         raise
+    finally:
+        finish_logger_runs(run.trainer.loggers)  # the next job of a multirun logs a W&B run of its own
     if any(callback.interrupted for callback in last_checkpoints):
         raise KeyboardInterrupt
     return run.summary.summary
+
+
+def job_result(run: Run) -> float | None:
+    """The value of the run's ``objective`` after its fit, said on rank 0 (``None``: no objective, or none logged).
+
+    Raises:
+        InputError: an ``objective=`` metric the fit never logged (the message lists those it did).
+    """
+    from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+    from lightning_memopt.cli.objective import objective_value
+
+    value = objective_value(run.objective, run.trainer.callback_metrics)
+    if value is not None:
+        assert run.objective is not None
+        rank_zero_info(f"memopt-train: objective {run.objective.describe(value)}")
+    elif run.objective is not None:
+        rank_zero_warn(
+            f"memopt-train: `objective=auto` is {run.objective.metric}, which this fit never logged (no validation"
+            " ran), so the job returns nothing to a sweeper; name a logged metric (`objective=train/loss`) or"
+            " `objective=null`"
+        )
+    return value
 
 
 def train(cfg: DictConfig) -> FitSummary:
@@ -188,13 +233,15 @@ def train(cfg: DictConfig) -> FitSummary:
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def _train_app(cfg: DictConfig) -> float | None:
-    """Hydra task: fit ``cfg``; returns the final training loss (the value Hydra sweepers optimise)."""
+    """Hydra task: fit ``cfg``; returns the value of ``objective`` (what Hydra sweepers optimise)."""
     task_started()
+    route_lightning_logs()
     with input_errors("memopt-train", building=True):
         run = build_run(cfg)
     with input_errors("memopt-train"):
         try:
-            return fit(run).final_loss
+            fit(run)
+            return job_result(run)
         except KeyboardInterrupt:
             print("memopt-train: stopped by Ctrl-C", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_INTERRUPTED) from None

@@ -95,10 +95,17 @@ def _needs_a_gpu(cfg):  # Lightning's own FSDP (FSDP1) refuses the CPU; fsdp_mem
     return not torch.cuda.is_available() and (cfg.trainer.accelerator == "gpu" or fsdp1)
 
 
+# What an option needs to run here: no network (W&B offline), its store under the test's folder (MLflow)
+_OFFLINE = {"wandb": ["logger.wandb.offline=true"], "mlflow": ["paths.log_dir={tmp_path}"]}
+
+
 @pytest.mark.parametrize(("group", "option"), _all(sorted(RUNNABLE_GROUPS)))
-def test_every_trainer_side_config_runs_two_tiny_steps(compose_train, group, option):
+def test_every_trainer_side_config_runs_two_tiny_steps(compose_train, tmp_path, group, option):
     tiny = [o for o in TINY_FACE if not (group == "trainer" and o.startswith("trainer="))]
-    cfg = compose_train(f"{group}={option}", *tiny)
+    offline = [o.format(tmp_path=tmp_path) for o in _OFFLINE.get(option, [])] if group == "logger" else []
+    if option in ("tensorboard", "wandb", "mlflow"):
+        pytest.importorskip(option)
+    cfg = compose_train(f"{group}={option}", *tiny, *offline)
     if _needs_a_gpu(cfg):  # Lightning refuses GPU accelerators and FSDP without CUDA: build what we can
         strategy = cfg.trainer.strategy
         built = instantiate(strategy) if not isinstance(strategy, str) else strategy
