@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from results import write_csv
+from results import markdown_table, read_rows, write_csv
 from torch import nn
 
 from lightning_memopt.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
@@ -155,6 +155,32 @@ def measure(key: str, rounds: int) -> list[dict]:
             }
         )
     return rows
+
+
+_POLICY_LABELS = {"none": "none", "full": "full (`preset`)"}
+
+
+def table(path: Path) -> str:
+    """The docs' table from the CSV: one row per model and policy; full and selective in bold (the targets)."""
+    lines, previous = [], None
+    for row in read_rows(path):
+        model = row["model"].replace(" (", ", ").rstrip(")")
+        policy = row["policy"]
+        bold = "**" if policy in ("full", "selective") else ""
+        offloaded = float(row["offloaded_mib"])
+        lines.append(
+            [
+                model if model != previous else "",
+                _POLICY_LABELS.get(policy, f"`{policy}`"),
+                f"{float(row['activation_peak_mib']):.1f}",
+                f"{bold}{float(row['reduction']):.2f}×{bold}",
+                f"{offloaded:.1f}" if offloaded else "0",
+                f"{bold}{float(row['step_time_ratio']):.2f}{bold}",
+            ]
+        )
+        previous = model
+    columns = ["model", "policy", "activation peak MiB", "reduction", "offloaded MiB", "step time ×"]
+    return markdown_table(columns, lines)
 
 
 def main() -> None:

@@ -35,7 +35,9 @@ import lightning.pytorch as pl
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from results import StepTimes, cpu_trainer, write_csv  # a sibling script: run from benchmarks/ or as a path
+
+# a sibling script: run from benchmarks/ or as a path
+from results import StepTimes, cpu_trainer, markdown_table, read_rows, write_csv
 
 from lightning_memopt import AdaptiveAccumulation
 from lightning_memopt.cli.config import config_dir
@@ -54,6 +56,34 @@ def train(cfg: Any, steps: int, callbacks: list[pl.Callback], device: Any) -> li
         torch.manual_seed(0)
         trainer.fit(instantiate(cfg.model), datamodule=instantiate(cfg.data))
     return times.seconds
+
+
+def table(path: Path) -> str:
+    """The docs' table from the CSV: time lost to recovery, steady throughput, overhead when nothing fails."""
+    row = read_rows(path)[0]
+    f = {key: float(value) for key, value in row.items() if key != "model" and not key.startswith("meets_")}
+    met = {"True": "met", "False": "missed"}
+    lines = [
+        [
+            "time lost to recovery (recovered step 0 − started step 0)",
+            f"{f['time_lost_seconds']:.2f} s = **{f['time_lost_steps']:.2f}** steady steps "
+            f"({f['recovery_step_seconds']:.2f} vs {f['first_step_seconds_started']:.2f} s)",
+            f"≤ {LOST_TARGET:g} step: {met[row['meets_lost_target']]}",
+        ],
+        [
+            f"steady throughput, recovered / started (steps 1–{int(f['steps']) - 1})",
+            f"{f['recovered_step_seconds']:.2f} / {f['started_step_seconds']:.2f} s = **{f['steady_ratio']:.3f}** "
+            f"(means {f['recovered_mean_step_seconds']:.2f} / {f['started_mean_step_seconds']:.2f} = "
+            f"{f['mean_ratio']:.3f})",
+            f"within {STEADY_TARGET:.0%}: {met[row['meets_steady_target']]}",
+        ],
+        [
+            "nothing failing: with the callback / without (no budget)",
+            f"{f['watching_step_seconds']:.2f} / {f['plain_step_seconds']:.2f} s = {f['overhead_ratio']:.3f}",
+            "—",
+        ],
+    ]
+    return markdown_table(["figure", "measured", "target"], lines)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Rows kept when 8 processes append to one results CSV at the same moment: the old append versus the locked one.
 
     python benchmarks/concurrent_rows.py [--trials 20] [--writers 8]
-    python benchmarks/concurrent_rows.py --table     # the README table from the CSV
+    python benchmarks/concurrent_rows.py --table     # the docs table from the CSV
 
 Each trial starts ``--writers`` processes (fork where the platform has it) on a new file; they wait
 at a barrier and then each appends one row, as the jobs of a Hydra sweep ending together do with
@@ -99,7 +99,7 @@ def measure(method: str, trials: int, writers: int, folder: Path) -> dict[str, A
 
 
 def table(path: Path) -> str:
-    """The README table from the CSV: rows kept and trials that lost rows, per method."""
+    """The docs table from the CSV: rows kept and trials that lost rows, per method."""
     lines = [
         [
             f"{row['method']} ({'old: no lock' if row['method'] == 'naive' else 'append_row: file lock'})",
@@ -116,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--writers", type=int, default=8)
-    parser.add_argument("--table", action="store_true", help="print the README table from the CSV and stop")
+    parser.add_argument("--table", action="store_true", help="print the docs table from the CSV and stop")
     args = parser.parse_args()
     if args.table:
         print(table(Path(__file__).with_name("concurrent_rows.csv")))

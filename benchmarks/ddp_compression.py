@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from results import write_csv  # a sibling script: run from benchmarks/ or as a path
+from results import markdown_table, read_rows, write_csv  # a sibling script: run from benchmarks/ or as a path
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_memopt import create_model
@@ -91,6 +91,28 @@ def run(rank: int, args: argparse.Namespace, port: int) -> None:
     if rank == 0:
         write_csv(args.csv, rows)
     dist.destroy_process_group()
+
+
+def table(path: Path) -> str:
+    """The docs' table from the CSV: bytes all-reduced per step and the compression, one row per model."""
+    by_model: dict[str, list[dict[str, str]]] = {}
+    for row in read_rows(path):
+        by_model.setdefault(row["model"], []).append(row)
+    lines, hooks = [], []
+    for model, rows in by_model.items():
+        hooks = [row["hook"] for row in rows]
+        cells = [f"{model} ({int(rows[0]['gradient_elements']) / 1e6:.1f} M)"]
+        for row in rows:
+            mib, compression = int(row["bytes_per_step"]) / 2**20, float(row["compression"])
+            size = f"{mib:.1f} MiB" if mib >= 10 else f"{mib:.2f} MiB"
+            if compression == 1:
+                cells.append(size)
+                continue
+            factor = f"{compression:.1f}×" if compression < 10 else f"{compression:.0f}×"
+            cells.append(f"{size} (**{factor}**)" if row["hook"] == "PowerSGD rank 1" else f"{size} ({factor})")
+        lines.append(cells)
+    columns = [hook.replace("PowerSGD rank", "rank") if hook != "PowerSGD rank 1" else hook for hook in hooks]
+    return markdown_table(["model (gradient elements)", *columns], lines)
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ order, its position, the per-sample augmentation and the random generators all h
 
     python benchmarks/exact_resume.py                       # every case, writes exact_resume.csv
     python benchmarks/exact_resume.py --cases plain --resume-from 3 --csv /tmp/x.csv
-    python benchmarks/exact_resume.py --table               # the README table from the CSV
+    python benchmarks/exact_resume.py --table               # the docs table from the CSV
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def resume_gaps(case: str, resume_from: tuple[int, ...], steps: int, work: Path)
 
 
 def table(path: Path) -> str:
-    """The README's table from the CSV: one row per case, the largest |Δw| over its resume points."""
+    """The docs' table from the CSV: one row per case, the largest |Δw| over its resume points."""
     by_case: dict[str, list[dict[str, str]]] = {}
     for row in read_rows(path):
         by_case.setdefault(row["case"], []).append(row)

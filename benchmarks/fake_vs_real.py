@@ -1,16 +1,19 @@
 """How well fake mode predicts a real step: fake-mode peak vs the real CPU peak (the project's tracker).
 
-    python benchmarks/fake_vs_real.py
+    python benchmarks/fake_vs_real.py [--only "iresnet_tiny b8,sapiens_tiny b2"] [--csv benchmarks/fake_vs_real.csv]
 
 Cases: r18 and r50 at batch 32 (112×112), and the tiny vision presets, each in fp32 and bf16-mixed.
-Target: every fake peak within 3 % of the real one.
+Target: every fake peak within 3 % of the real one. Writes fake_vs_real.csv (the cases run).
 """
 
 from __future__ import annotations
 
+import argparse
 import time
+from pathlib import Path
 
 import torch
+from results import markdown_table, read_rows, write_csv  # a sibling script: run from benchmarks/ or as a path
 from torch.nn import functional as F
 
 from lightning_memopt.memory import profile_step
@@ -58,10 +61,32 @@ CASES = {
 }
 
 
+def table(path: Path) -> str:
+    """The docs' table from the CSV: the fake-mode peak against the real one, per case and precision."""
+    lines = [
+        [
+            row["case"],
+            row["precision"],
+            f"{float(row['fake_mib']):.1f}",
+            f"{float(row['real_mib']):.1f}",
+            f"{float(row['fake_over_real']):.4f}",
+        ]
+        for row in read_rows(path)
+    ]
+    return markdown_table(["case", "precision", "fake MiB", "real MiB", "fake / real"], lines)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help=f"comma-separated cases (default: all): {', '.join(CASES)}")
+    parser.add_argument("--csv", default=str(Path(__file__).with_suffix(".csv")))
+    args = parser.parse_args()
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(CASES)
+    rows = []
     print(f"{'case':<18}{'precision':<12}{'fake MiB':>10}{'real MiB':>10}{'fake/real':>11}   fake s  real s")
     worst = 0.0
-    for name, (build, make_batch) in CASES.items():
+    for name in names:
+        build, make_batch = CASES[name]
         for precision in ("32-true", "bf16-mixed"):
             torch.manual_seed(0)
             batch = make_batch()
@@ -78,6 +103,18 @@ def main() -> None:
                 f"{ratio:>11.4f}{fake_seconds:>9.1f}{real_seconds:>8.1f}",
                 flush=True,
             )
+            rows.append(
+                {
+                    "case": name,
+                    "precision": precision,
+                    "fake_mib": fake.peak_bytes / 2**20,
+                    "real_mib": real.peak_bytes / 2**20,
+                    "fake_over_real": ratio,
+                    "fake_seconds": fake_seconds,
+                    "real_seconds": real_seconds,
+                }
+            )
+    write_csv(args.csv, rows)
     print(f"largest deviation: {worst:.2%} (target 3 %)")
 
 

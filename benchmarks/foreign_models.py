@@ -2,7 +2,7 @@
 checkpointing, and the planner's choice at three budgets against the real peak.
 
     python benchmarks/foreign_models.py            # measure, print, write foreign_models.csv
-    python benchmarks/foreign_models.py --table    # print the README table from foreign_models.csv
+    python benchmarks/foreign_models.py --table    # print the docs table from foreign_models.csv
 
 Two ``transformers`` models built from a config (random weights, nothing downloaded), trained on
 random 3 × 128 × 128 images, batch 8, AdamW, fp32 on the CPU:
@@ -182,7 +182,7 @@ def measure(names: list[str]) -> list[dict]:
 
 
 def table(path: Path) -> str:
-    """The README's markdown table, from the CSV."""
+    """The docs' markdown table, from the CSV."""
     with path.open() as handle:
         rows = list(csv.DictReader(handle))
     lines = [
@@ -206,7 +206,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--csv", default=str(Path(__file__).with_suffix(".csv")))
-    parser.add_argument("--table", action="store_true", help="print the README table from the CSV and stop")
+    parser.add_argument("--table", action="store_true", help="print the docs table from the CSV and stop")
     args = parser.parse_args()
     if not args.table:
         write_csv(args.csv, measure(args.models))

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from results import write_csv  # a sibling script: run from benchmarks/ or as a path
+from results import markdown_table, read_rows, write_csv  # a sibling script: run from benchmarks/ or as a path
 
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.metrics.functional.knn import DEFAULT_MEMORY, chunk_rows, knn
@@ -55,6 +55,30 @@ def theirs(points: torch.Tensor, k: int) -> tuple[float, torch.Tensor]:
     keep[keep.all(dim=1), -1] = False
     indices = indices[keep].view(-1, k)
     return time.perf_counter() - start, indices
+
+
+def table(path: Path) -> str:
+    """The docs' table from the CSV: memory against the N × N matrix, time against faiss, agreement."""
+    row = read_rows(path)[0]
+    met = {"True": "met", "False": "missed"}
+    ratio = float(row["memory_ratio"])
+    pairs = int(row["samples"]) * int(row["k"])
+    lines = [
+        [
+            "peak extra memory vs the N × N fp32 matrix",
+            f"{float(row['peak_extra_mib']):.1f} MiB vs {float(row['full_matrix_gib']):.1f} GiB "
+            f"= **1/{1 / ratio:.0f}**",
+            f"≤ 1/{1 / MEMORY_TARGET:.0f}: {met[row['meets_memory_target']]}",
+        ],
+        [
+            "time, ours / faiss `IndexFlatIP`",
+            f"{float(row['ours_seconds']):.1f} s / {float(row['faiss_seconds']):.1f} s = "
+            f"**{float(row['time_ratio']):.2f}**",
+            f"≤ {TIME_TARGET:g}: {met[row['meets_time_target']]}",
+        ],
+        ["same neighbours as faiss", f"{float(row['neighbour_agreement']):.4%} of the {pairs:,}", "—"],
+    ]
+    return markdown_table(["figure", "measured", "target"], lines)
 
 
 def main() -> None:

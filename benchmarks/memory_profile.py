@@ -3,7 +3,8 @@
 Also measures MemoryMonitor's overhead: step time with vs without it, as a ratio in one process.
 
     python benchmarks/memory_profile.py [--only r18,sapiens_2b] [--csv benchmarks/memory_profile.csv]
-    python benchmarks/memory_profile.py --table    # print the README table from the CSV
+    python benchmarks/memory_profile.py --overhead-only    # only MemoryMonitor's overhead (memory_monitor_overhead.csv)
+    python benchmarks/memory_profile.py --table    # print the docs table from the CSV
 
 Nothing is allocated for the profiles (FakeTensorMode), so the 2 B-parameter Sapiens runs on a laptop.
 """
@@ -78,7 +79,7 @@ def monitor_overhead(every_n_steps: int, steps: int, rounds: int = 2) -> float:
 
 
 def table(path: Path) -> str:
-    """The README's markdown table, from the CSV."""
+    """The docs' markdown table, from the CSV."""
     columns = ("parameters", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
     rows = [
         [row["preset"], row["precision"], row["batch"], f"**{float(row['peak_gib']):.2f}**"]
@@ -90,13 +91,28 @@ def table(path: Path) -> str:
     return markdown_table(header, rows)
 
 
+def overhead_table(path: Path) -> str:
+    """The docs' table of MemoryMonitor's overhead, from ``memory_monitor_overhead.csv``."""
+    notes = {"50": " (the default)", "1": " (every step tracked)"}
+    lines = [
+        [
+            f"`every_n_steps={row['every_n_steps']}`{notes.get(row['every_n_steps'], '')}",
+            row["steps"],
+            f"**{float(row['step_time_ratio']):.3f}**",
+        ]
+        for row in read_rows(path)
+    ]
+    return markdown_table(["monitor setting", "steps per run", "step time with / without"], lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated presets (default: all)")
     parser.add_argument("--csv", default=str(Path(__file__).with_suffix(".csv")))
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--overhead-only", action="store_true")
-    parser.add_argument("--table", action="store_true", help="print the README table from the CSV and stop")
+    parser.add_argument("--overhead-csv", default=str(Path(__file__).with_name("memory_monitor_overhead.csv")))
+    parser.add_argument("--table", action="store_true", help="print the docs table from the CSV and stop")
     args = parser.parse_args()
     if args.table:
         print(table(Path(args.csv)))
@@ -119,13 +135,16 @@ def main() -> None:
     if rows:
         write_csv(args.csv, rows)
     if not args.skip_overhead:
+        overhead = []
         for every_n_steps, steps in ((50, 50), (1, 10)):
             ratio = monitor_overhead(every_n_steps, steps)
+            overhead.append({"every_n_steps": every_n_steps, "steps": steps, "step_time_ratio": ratio})
             print(
                 f"MemoryMonitor(every_n_steps={every_n_steps}) overhead over {steps} steps "
                 f"(step time with / without, r18 64x64 batch 16): {ratio:.3f}",
                 flush=True,
             )
+        write_csv(args.overhead_csv, overhead)
 
 
 if __name__ == "__main__":

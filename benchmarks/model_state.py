@@ -2,7 +2,7 @@
 and 2 / 4 / 8 GPUs of 40 GB (FSDP over all of them), with its predicted peak per GPU and its step time.
 
     python benchmarks/model_state.py [--only sapiens_2b] [--csv benchmarks/model_state.csv]
-    python benchmarks/model_state.py --table    # print the README table from the CSV
+    python benchmarks/model_state.py --table    # print the docs table from the CSV
 
 Normals at 1024×768, batch 1 per GPU, planned in fake mode on the CPU (nothing is allocated), with
 the catalogue's rates; each plan is the planner's pick for that setting (precision, attention,
@@ -57,7 +57,7 @@ def plan_preset(name: str, setting: str) -> dict:
 
 
 def table(path: Path) -> str:
-    """The README's markdown table, from the CSV: one row per preset, one column per setting.
+    """The docs' markdown table, from the CSV: one row per preset, one column per setting.
 
     Each cell: the predicted peak per GPU, the host memory under CPU offload, the estimated step
     time and the knobs beyond those every plan shares (named in the first column's header).

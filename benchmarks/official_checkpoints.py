@@ -1,7 +1,7 @@
 """Official checkpoints per preset: tensors renamed, reshaped, merged, fixed buffers checked, keys dropped.
 
     python benchmarks/official_checkpoints.py            # convert every preset, print, write official_checkpoints.csv
-    python benchmarks/official_checkpoints.py --table    # print the README table from official_checkpoints.csv
+    python benchmarks/official_checkpoints.py --table    # print the docs table from official_checkpoints.csv
 
 For every preset the official state dict is written with ``convert_to_official`` from the
 preset built on the meta device (no values: key names and shapes only, so Sapiens-2B costs
@@ -94,7 +94,7 @@ def measure(presets: tuple[str, ...]) -> list[dict]:
 
 
 def table(path: Path) -> str:
-    """The README's markdown table, from the CSV."""
+    """The docs' markdown table, from the CSV."""
     columns = ["preset", "official file", "tensors (ours)", "renamed", "reshaped", "merged", "fixed buffers checked"]
     keys = ["preset", "file", "tensors", "renamed", "reshaped", "merged", "fixed_buffers", "dropped", "behaviour"]
     rows = [[row[key] for key in keys] for row in read_rows(path)]
@@ -105,7 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     parser.add_argument("--csv", default=str(Path(__file__).with_suffix(".csv")))
-    parser.add_argument("--table", action="store_true", help="print the README table from the CSV and stop")
+    parser.add_argument("--table", action="store_true", help="print the docs table from the CSV and stop")
     args = parser.parse_args()
     if not args.table:
         write_csv(args.csv, measure(tuple(args.presets)))

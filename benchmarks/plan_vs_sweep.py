@@ -32,7 +32,9 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from results import StepTimes, cpu_trainer, write_csv  # a sibling script: run from benchmarks/ or as a path
+
+# a sibling script: run from benchmarks/ or as a path
+from results import StepTimes, cpu_trainer, markdown_table, read_rows, write_csv
 
 from lightning_memopt import MemoryBudget
 from lightning_memopt.cli.config import config_dir
@@ -103,6 +105,26 @@ def step_seconds(cfg, contenders: dict[str, Knobs], rounds: int, steps: int) -> 
             trainer.fit(instantiate(cfg.model), datamodule=instantiate(cfg.data))
             seconds[name] += times.seconds[1:]
     return {name: statistics.median(values) for name, values in seconds.items()}
+
+
+def budget_table(path: Path) -> str:
+    """The docs' table from the CSV: per budget, the plan, its real peak's share, its step time against the fastest."""
+    lines = []
+    for row in read_rows(path):
+        share = float(row["peak_share_of_budget"])
+        fastest = row["fastest_side_by_side"]
+        lines.append(
+            [
+                f"{float(row['budget_mib']):.1f} MiB",
+                row["plan"],
+                f"{float(row['predicted_peak_mib']):.2f} / {float(row['real_peak_mib']):.2f} MiB",
+                f"**{share:.0%}**" if share < PEAK_FLOOR else f"{share:.0%}",
+                "the plan" if fastest == row["plan"] else f"{fastest} ({float(row['fastest_step_ms']):.1f} ms)",
+                f"**{float(row['step_time_ratio']):.2f}** ({float(row['plan_step_ms']):.1f} ms)",
+            ]
+        )
+    columns = ["budget", "plan", "predicted / real peak", "share of budget", "fastest fitting, side by side"]
+    return markdown_table([*columns, "plan ÷ fastest"], lines)
 
 
 def main() -> None:

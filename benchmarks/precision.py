@@ -14,13 +14,14 @@ Writes precision.csv.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from memory_profile import REFERENCE_RUNS, profile_preset  # a sibling script: run from benchmarks/ or as a path
-from results import cpu_trainer, write_csv
+from results import cpu_trainer, markdown_table, read_rows, write_csv
 
 from lightning_memopt.callbacks import PrecisionSwitch
 from lightning_memopt.callbacks.training_summary import TrainingSummary
@@ -61,6 +62,41 @@ def step_seconds(name: str, rounds: int, steps: int = 3) -> dict[str, float]:
             trainer.fit(instantiate(cfg.model), datamodule=instantiate(cfg.data))
             seconds[precision].append(summary.summary.train_seconds / steps)
     return {precision: min(values) for precision, values in seconds.items()}
+
+
+def table(path: Path) -> str:
+    """The docs' table: activations from memory_profile.csv (the rows of the memory-profile table), times from ours.
+
+    Both benchmarks profile through ``memory_profile.profile_preset``; the memory-profile CSV is the one place those
+    profiles are kept, so the two tables cannot disagree. This script's CSV contributes the step times.
+    """
+    profiles = {(row["preset"], row["precision"]): row for row in read_rows(path.with_name("memory_profile.csv"))}
+    times = {row["preset"]: row for row in read_rows(path)}
+    lines = []
+    for preset in dict.fromkeys(name for name, _ in profiles):
+        fp32, bf16 = profiles[(preset, "fp32")], profiles[(preset, "bf16-mixed")]
+        ratio = float(bf16["activations_gib"]) / float(fp32["activations_gib"])
+        timed = times.get(preset, {})
+        time_cell = "—"
+        if timed.get("timing_run"):
+            batch = re.search(r"data\.batch_size=(\d+)", timed["timing_run"])
+            time_cell = (
+                f"{float(timed['step_time_ratio']):.1f} ({float(timed['fp32_step_seconds']):.2f} → "
+                f"{float(timed['bf16_step_seconds']):.2f} s{f', batch {batch.group(1)}' if batch else ''})"
+            )
+        lines.append(
+            [
+                preset,
+                fp32["batch"],
+                f"{float(fp32['activations_gib']):.2f}",
+                f"{float(bf16['activations_gib']):.2f}",
+                f"**{ratio:.3f}**",
+                "met" if ratio <= TARGET else "missed",
+                time_cell,
+            ]
+        )
+    columns = ["preset", "batch", "fp32 activations GiB", "bf16-mixed GiB", "ratio", f"≤ {TARGET:g}"]
+    return markdown_table([*columns, "step time bf16 / fp32 (CPU)"], lines)
 
 
 def main() -> None:

@@ -30,18 +30,18 @@ def read_rows(path: str | Path) -> list[dict[str, str]]:
 def add_table_options(parser: argparse.ArgumentParser, script: str) -> None:
     """Give a benchmark's parser ``--csv`` (default: the CSV beside ``script``) and ``--table``."""
     parser.add_argument("--csv", default=str(Path(script).with_suffix(".csv")))
-    parser.add_argument("--table", action="store_true", help="print the README table from the CSV and stop")
+    parser.add_argument("--table", action="store_true", help="print the docs table from the CSV and stop")
 
 
 def printed_table(args: argparse.Namespace, table: Callable[[Path], str]) -> bool:
-    """With ``--table``, print ``table(csv)`` (the README table) and return True: the script then stops."""
+    """With ``--table``, print ``table(csv)`` (the docs table) and return True: the script then stops."""
     if args.table:
         print(table(Path(args.csv)))
     return bool(args.table)
 
 
 def markdown_table(columns: list[str], rows: list[list[object]]) -> str:
-    """A README table: a header of ``columns`` and one line per row."""
+    """A docs table: a header of ``columns`` and one line per row."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)

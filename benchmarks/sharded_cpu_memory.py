@@ -1,7 +1,7 @@
 """One rank's bytes on the CPU: unsharded (what a DDP rank holds) vs FSDP2 vs FSDP2 + CPU offload, against the planner.
 
     python benchmarks/sharded_cpu_memory.py [--csv benchmarks/sharded_cpu_memory.csv]
-    python benchmarks/sharded_cpu_memory.py --table    # print the README table from the CSV
+    python benchmarks/sharded_cpu_memory.py --table    # print the docs table from the CSV
 
 sapiens_tiny on 4 images of 64×48, AdamW, two real training steps per case on 2 gloo ranks (the
 model sharded as ``fsdp_memopt`` shards it), counted by the MemoryTracker on rank 0: device bytes
@@ -97,7 +97,7 @@ def _error(measured: str, predicted: str) -> str:
 
 
 def table(path: Path) -> str:
-    """The README's markdown table, from the CSV."""
+    """The docs' markdown table, from the CSV."""
     lines = [
         [
             row["setting"],

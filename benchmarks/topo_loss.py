@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from results import write_csv  # a sibling script: run from benchmarks/ or as a path
+from results import markdown_table, read_rows, write_csv  # a sibling script: run from benchmarks/ or as a path
 
 from lightning_memopt.losses import TopologicalAlignmentLoss
 from lightning_memopt.memory import MemoryTracker
@@ -71,6 +71,27 @@ def step(loss_fn: Callable, images: torch.Tensor, embeddings: torch.Tensor, reta
     loss = loss_fn(images, embeddings)
     loss.backward(retain_graph=retain_graph)
     return float(loss.detach())
+
+
+def table(path: Path) -> str:
+    """The docs' table from the CSV: peak and time per batch size, the largest batch (the target's) in bold."""
+    rows = read_rows(path)
+    lines = []
+    for row in rows:
+        bold = "**" if row is rows[-1] else ""
+        lines.append(
+            [
+                row["batch"],
+                f"{float(row['broadcast_peak_mib']):,.1f} MiB",
+                f"{float(row['ours_peak_mib']):.3f} MiB",
+                f"{bold}{float(row['memory_ratio']):,.0f}×{bold}",
+                f"{float(row['broadcast_s']) * 1000:,.1f} ms",
+                f"{float(row['ours_s']) * 1000:,.1f} ms",
+                f"{bold}{float(row['time_ratio']):.2f}{bold}",
+            ]
+        )
+    columns = ["B", "broadcast peak", "ours peak", "lower by", "broadcast time", "ours time", "ours / broadcast"]
+    return markdown_table(columns, lines)
 
 
 def main() -> None:

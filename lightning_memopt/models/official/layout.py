@@ -76,7 +76,7 @@ class OfficialLayout:
         OfficialCheckpointError: ``backbone_only`` for a family without a separate backbone.
     """
 
-    #: what the layout is called in messages and in the README table
+    #: what the layout is called in messages and in the docs' conversion table
     family = "identical"
     #: rename rules ours → official, applied in order
     rules: Sequence[Rename] = ()
@@ -142,7 +142,7 @@ class OfficialLayout:
 
 @dataclass
 class ConversionReport:
-    """What a conversion did: counts for the README table and lines for the log."""
+    """What a conversion did: counts for the docs' conversion table and lines for the log."""
 
     family: str
     tensors: int = 0

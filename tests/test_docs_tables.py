@@ -1,0 +1,84 @@
+"""Every benchmark table in the README and the docs is the one its CSV gives (benchmarks/tables.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from tests.helpers import REPO_ROOT
+
+BENCHMARKS = REPO_ROOT / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def tables():
+    sys.path.insert(0, str(BENCHMARKS))  # the scripts import their sibling ``results``
+    try:
+        spec = importlib.util.spec_from_file_location("benchmark_tables", BENCHMARKS / "tables.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclass looks its module up there
+        spec.loader.exec_module(module)
+        yield module
+    finally:  # the scripts imported as top-level modules (``results``, ``precision``, …) go too
+        for name, module in list(sys.modules.items()):
+            if str(getattr(module, "__file__", "") or "").startswith(str(BENCHMARKS)):
+                del sys.modules[name]
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_every_marked_table_matches_its_csv(tables):
+    differing = tables.stale()
+    assert not differing, "tables that differ from their CSV (run `python benchmarks/tables.py`):\n" + "\n".join(
+        differing
+    )
+
+
+def test_the_readme_and_the_benchmarks_page_have_generated_tables(tables):
+    keys = {table.key for table in tables.marked_tables(tables.documents())}
+    assert {"memory_profile.csv highlights", "activation_checkpointing.csv highlights"} <= keys
+    assert {"memory_profile.csv", "precision.csv", "plan_vs_sweep.csv"} <= keys
+
+
+def test_every_registry_entry_resolves_to_a_function(tables):
+    for key in tables.REGISTRY:
+        assert callable(tables.renderer(key)), key
+
+
+def test_the_precision_and_memory_profile_tables_show_the_same_activations(tables):
+    """Both come from memory_profile.profile_preset; the precision table reads memory_profile.csv's rows."""
+    profiles = {(row["preset"], row["precision"]): row for row in tables.read_rows(BENCHMARKS / "memory_profile.csv")}
+    precision_rows = tables.render("precision.csv").splitlines()[2:]
+    for line in precision_rows:
+        preset, _, fp32, bf16 = (cell.strip() for cell in line.strip("|").split("|")[:4])
+        assert fp32 == f"{float(profiles[(preset, 'fp32')]['activations_gib']):.2f}"
+        assert bf16 == f"{float(profiles[(preset, 'bf16-mixed')]['activations_gib']):.2f}"
+
+
+def test_rewrite_restores_a_changed_table_and_check_finds_it(tables, tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Intro.\n\n<!-- table: concurrent_rows.csv -->\n\n| stale |\n\n<!-- /table -->\n\nAfter.\n")
+    assert [line.split()[-1] for line in tables.stale([page])] == ["concurrent_rows.csv"]
+    changed, failed = tables.rewrite([page])
+    assert len(changed) == 1 and not failed
+    assert tables.stale([page]) == []
+    text = page.read_text()
+    assert text.startswith("Intro.\n\n<!-- table: concurrent_rows.csv -->\n\n| results_csv append |")
+    assert text.endswith("\n\n<!-- /table -->\n\nAfter.\n")
+    assert tables.rewrite([page]) == ([], [])  # a second run changes nothing
+
+
+def test_an_unknown_key_or_a_missing_csv_is_reported_not_skipped(tables, tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- table: nothing_like_it.csv -->\n\n| x |\n\n<!-- /table -->\n")
+    (reported,) = tables.stale([page])
+    assert "nothing_like_it.csv" in reported and "no table is registered" in reported
+    changed, failed = tables.rewrite([page])
+    assert not changed and len(failed) == 1
+    assert "| x |" in page.read_text()  # left as it was
+
+
+def test_check_exits_zero_when_every_table_matches(tables, capsys):
+    assert tables.main(["--check"]) == 0
+    assert "match their CSVs" in capsys.readouterr().out
