@@ -211,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     action.add_argument("--list", action="store_true", help="list the registry and where each table is used")
     args = parser.parse_args(argv)
     if args.print:
-        print(render(args.print))
+        try:
+            print(render(args.print))
+        except KeyError as error:
+            parser.exit(2, f"tables.py: `--print`: {_reason(error)}\n")
         return 0
     if args.list:
         used: dict[str, list[str]] = {}

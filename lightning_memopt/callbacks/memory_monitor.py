@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
 from lightning_memopt.arguments import check_bool, check_int, check_optional_int, check_path
+from lightning_memopt.memory.cuda_peak import reset_peak
 from lightning_memopt.memory.oom import is_oom_error
 from lightning_memopt.memory.report import format_report, write_timeline_chart
 from lightning_memopt.memory.tracker import MemoryTracker
@@ -349,7 +350,7 @@ class MemoryMonitor(Callback):
                 "fragmentation": 1.0 - allocated / reserved if reserved else 0.0,
                 "alloc_retries": float(stats.get("num_alloc_retries", 0)),
             }
-            torch.cuda.reset_peak_memory_stats(device)
+            reset_peak(device)  # the fit's peak is kept for TrainingSummary
             return figures
         assert self.tracker is not None
         return {

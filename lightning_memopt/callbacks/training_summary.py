@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_memopt.arguments import check_bool, check_int, check_output_file
 from lightning_memopt.callbacks.memory_monitor import compiled_parts, logging_step
+from lightning_memopt.memory.cuda_peak import mark_peak, peak_since_mark
 from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.results_file import append_row
 
@@ -174,7 +175,7 @@ class TrainingSummary(Callback):
         # kept: at `on_fit_end` the strategy has already moved the module back to the CPU
         self._device = trainer.strategy.root_device
         if self._device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self._device)
+            mark_peak(self._device)
             self.summary.peak_memory_source = "CUDA allocator peak"
         elif _reset_process_peak_rss():
             self.summary.peak_memory_source = "process peak RSS during the fit"
@@ -256,7 +257,7 @@ class TrainingSummary(Callback):
         loss = trainer.callback_metrics.get(self.loss_key)
         self.summary.final_loss = None if loss is None else float(loss)
         if self._device.type == "cuda":
-            self.summary.peak_memory_bytes = torch.cuda.max_memory_allocated(self._device)
+            self.summary.peak_memory_bytes = peak_since_mark(self._device)
         elif self.summary.peak_memory_bytes is None:  # the counted batch never ran, or was not tracked
             self.summary.peak_memory_bytes = _process_peak_rss_bytes()
         if trainer.is_global_zero:

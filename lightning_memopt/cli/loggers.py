@@ -16,10 +16,14 @@ from collections.abc import Iterable
 from typing import Any
 
 
-def finish_logger_runs(loggers: Iterable[Any]) -> int:
-    """Finish the W&B run a ``WandbLogger`` in ``loggers`` started (``wandb.finish()``); returns how many (0 or 1).
+def finish_logger_runs(loggers: Iterable[Any], exit_code: int = 0) -> int:
+    """Finish the W&B run a ``WandbLogger`` in ``loggers`` started (``wandb.finish``); returns how many (0 or 1).
 
     A later ``WandbLogger`` then starts a new run instead of attaching to the finished one.
+
+    Args:
+        loggers: the Trainer's loggers.
+        exit_code: 0 for a fit that ended normally; anything else marks the W&B run failed.
     """
     from lightning.pytorch.loggers import WandbLogger
 
@@ -29,5 +33,5 @@ def finish_logger_runs(loggers: Iterable[Any]) -> int:
 
     if wandb.run is None:  # never started (another rank, or nothing logged)
         return 0
-    wandb.finish()
+    wandb.finish(exit_code=exit_code)
     return 1

@@ -78,6 +78,39 @@ def resolve_objective(objective: object, model: Any) -> Objective | None:
     return Objective(objective, direction, given=True)
 
 
+# a sweeper's `direction` (Optuna: maximize / minimize) -> the objective direction it optimises
+SWEEPER_DIRECTIONS = {"maximize": "max", "minimize": "min"}
+
+
+def check_sweeper_direction(objective: Objective | None, direction: object) -> None:
+    """Refuse a sweeper ``direction`` that optimises ``objective`` the wrong way (where both are known).
+
+    Raises:
+        ValueError: naming ``hydra.sweeper.direction``, its value and the one the objective needs.
+
+    Example::
+
+        >>> check_sweeper_direction(Objective("val/acc", "max", given=False), "maximize")
+        >>> try:
+        ...     check_sweeper_direction(Objective("val/loss", "min", given=True), "maximize")
+        ... except ValueError as error:
+        ...     print(str(error).split(": ")[-1])
+        set hydra.sweeper.direction=minimize
+    """
+    if objective is None or objective.direction is None or not isinstance(direction, str):
+        return  # a multi-objective list, an unknown direction, or no optimising sweeper
+    wanted = SWEEPER_DIRECTIONS.get(direction.rsplit(".", 1)[-1].lower())
+    if wanted is None or wanted == objective.direction:
+        return
+    better = "higher" if objective.direction == "max" else "lower"
+    needed = "maximize" if objective.direction == "max" else "minimize"
+    verb = "maximise" if wanted == "max" else "minimise"
+    raise ValueError(
+        f"`hydra.sweeper.direction`={direction!r} would {verb} `objective` {objective.metric}, where {better} is"
+        f" better: set hydra.sweeper.direction={needed}"
+    )
+
+
 def objective_value(objective: Objective | None, metrics: Mapping[str, Any]) -> float | None:
     """The value of ``objective`` among the fit's ``metrics`` (``trainer.callback_metrics``).
 

@@ -150,7 +150,7 @@ def build_run(cfg: DictConfig) -> Run:
 
     import lightning_memopt.strategies  # noqa: F401  (registers `trainer.strategy=ddp_memopt`, `fsdp_memopt`, …)
     from lightning_memopt.callbacks.training_summary import TrainingSummary
-    from lightning_memopt.cli.objective import resolve_objective
+    from lightning_memopt.cli.objective import check_sweeper_direction, resolve_objective
     from lightning_memopt.memory.allocator import configure_allocator
 
     ckpt_path = None if cfg.get("ckpt_path") is None else resolve_checkpoint_path(cfg.ckpt_path)
@@ -161,6 +161,8 @@ def build_run(cfg: DictConfig) -> Run:
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
     objective = resolve_objective(cfg.get("objective", "auto"), model)
+    if HydraConfig.initialized():  # an optimising sweeper (sweep=optuna) must go the objective's way
+        check_sweeper_direction(objective, HydraConfig.get().sweeper.get("direction"))
     overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
     results_csv = cfg.get("results_csv")
     if results_csv is not None:  # checked here to name the key the user set
@@ -190,14 +192,16 @@ def fit(run: Run) -> FitSummary:
 
     rank_zero_info(f"memopt-train: model={type(run.model).__name__} data={type(run.datamodule).__name__}")
     last_checkpoints = [callback for callback in run.trainer.callbacks if isinstance(callback, LastCheckpoint)]
+    exit_code = 1  # what the W&B run is marked with unless the fit returns
     try:
         run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=run.ckpt_path)
+        exit_code = 0
     except SystemExit:  # Lightning ends a fit stopped by a (second) Ctrl-C with status 1
         if any(callback.stop_requested for callback in last_checkpoints):
             raise KeyboardInterrupt from None
         raise
     finally:
-        finish_logger_runs(run.trainer.loggers)  # the next job of a multirun logs a W&B run of its own
+        finish_logger_runs(run.trainer.loggers, exit_code)  # the next job of a multirun logs a W&B run of its own
     if any(callback.interrupted for callback in last_checkpoints):
         raise KeyboardInterrupt
     return run.summary.summary
@@ -220,8 +224,8 @@ def job_result(run: Run) -> float | None:
     elif run.objective is not None:
         rank_zero_warn(
             f"memopt-train: `objective=auto` is {run.objective.metric}, which this fit never logged (no validation"
-            " ran), so the job returns nothing to a sweeper; name a logged metric (`objective=train/loss`) or"
-            " `objective=null`"
+            " ran), so the job returns nothing to a sweeper (an optimising one such as sweep=optuna stops there);"
+            " name a logged metric (`objective=train/loss`) or `objective=null`"
         )
     return value
 

@@ -18,7 +18,7 @@ RUNNABLE_GROUPS = {"precision", "strategy", "trainer", "logger", "memopt", "debu
 
 
 def _options(group):
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml") if not p.stem.startswith("_"))
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
 def _all(groups):

@@ -1,9 +1,11 @@
 """Every logger config of memopt-train receives the run's metrics: CSV, TensorBoard, MLflow, W&B (offline)."""
 
 import csv
+from pathlib import Path
 
 import pytest
 
+from lightning_memopt.cli.loggers import finish_logger_runs
 from lightning_memopt.cli.train import train
 from tests.helpers import TINY_FACE
 
@@ -38,3 +40,24 @@ def test_one_run_logs_to_every_logger_at_once(compose_train, tmp_path):
 
     (wandb_run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     assert b"train/loss" in wandb_run.read_bytes()  # the offline record `wandb sync` uploads
+
+
+def test_each_job_of_a_multirun_logs_a_wandb_run_of_its_own(compose_train):
+    pytest.importorskip("wandb")
+    for _ in range(2):  # the basic launcher runs a sweep's jobs one after another in one process
+        cfg = compose_train("logger=wandb", "logger.wandb.offline=true", *TINY_FACE)
+        train(cfg)
+        output_dir = Path(cfg.paths.output_dir)
+    assert len(list((output_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == 2
+
+
+def test_a_failed_fit_marks_its_wandb_run_failed(monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    finished = []
+    monkeypatch.setattr(wandb, "run", object())  # a run in progress
+    monkeypatch.setattr(wandb, "finish", lambda exit_code=None: finished.append(exit_code))
+    assert finish_logger_runs([CSVLogger("unused")], exit_code=1) == 0  # no W&B logger: nothing to finish
+    assert finish_logger_runs([WandbLogger(offline=True)], exit_code=1) == 1
+    assert finished == [1]

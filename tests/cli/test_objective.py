@@ -9,7 +9,7 @@ import yaml
 from lightning.pytorch import LightningModule
 
 from lightning_memopt.arguments import InputError
-from lightning_memopt.cli.objective import Objective, objective_value, resolve_objective
+from lightning_memopt.cli.objective import Objective, check_sweeper_direction, objective_value, resolve_objective
 from lightning_memopt.cli.train import build_run, fit, job_result
 from lightning_memopt.tasks import FaceRecognitionModule, NormalEstimationModule, TrackingModule
 from tests.helpers import TINY_FACE
@@ -98,3 +98,23 @@ def test_an_optuna_sweep_optimises_the_validation_metric(tmp_path):
     assert len(returned) == 2
     best = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())
     assert best["name"] == "optuna" and best["best_value"] == pytest.approx(max(returned), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("objective", "direction", "refused"),
+    [
+        (Objective("val/acc", "max", given=False), "maximize", False),
+        (Objective("val/mean_angle", "min", given=False), "maximize", True),
+        (Objective("val/loss", "min", given=True), "minimize", False),
+        (Objective("val/loss", "min", given=True), "Direction.maximize", True),  # an enum's name
+        (Objective("train/loss", None, given=True), "maximize", False),  # which way is better is not known
+        (Objective("val/acc", "max", given=False), ["maximize", "minimize"], False),  # multi-objective: not ours
+        (None, "minimize", False),
+    ],
+)
+def test_a_sweeper_that_would_optimise_the_wrong_way_is_refused(objective, direction, refused):
+    if not refused:
+        check_sweeper_direction(objective, direction)
+        return
+    with pytest.raises(ValueError, match=r"`hydra.sweeper.direction`=.* set hydra.sweeper.direction=minimize"):
+        check_sweeper_direction(objective, direction)
