@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
@@ -131,8 +133,21 @@ def renderer(key: str, registry: dict[str, str | Renderer] | None = None) -> Ren
     entry = registry[key]
     if callable(entry):
         return entry
-    module, function = entry.split(":")
-    return getattr(importlib.import_module(module), function)
+    script, function = entry.split(":")
+    return getattr(_benchmark_script(script), function)
+
+
+def _benchmark_script(name: str) -> ModuleType:
+    """The script ``benchmarks/<name>.py``, loaded by its path: a module of the same name elsewhere on
+    ``sys.path`` (``tests/foreign_models.py``) is never taken for it."""
+    qualified = f"benchmarks.{name}"
+    if qualified not in sys.modules:
+        spec = importlib.util.spec_from_file_location(qualified, HERE / f"{name}.py")
+        assert spec is not None and spec.loader is not None, name
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[qualified] = module
+        spec.loader.exec_module(module)
+    return sys.modules[qualified]
 
 
 def csv_path(key: str, benchmarks: Path = HERE) -> Path:

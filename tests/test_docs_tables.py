@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import types
 
 import pytest
 
@@ -82,3 +83,10 @@ def test_an_unknown_key_or_a_missing_csv_is_reported_not_skipped(tables, tmp_pat
 def test_check_exits_zero_when_every_table_matches(tables, capsys):
     assert tables.main(["--check"]) == 0
     assert "match their CSVs" in capsys.readouterr().out
+
+
+def test_a_module_of_a_scripts_name_elsewhere_is_not_taken_for_the_script(tables, monkeypatch):
+    monkeypatch.setitem(sys.modules, "foreign_models", types.ModuleType("foreign_models"))  # tests/foreign_models.py
+    monkeypatch.delitem(sys.modules, "benchmarks.foreign_models", raising=False)
+    render = tables.renderer("foreign_models.csv")
+    assert render.__module__ == "benchmarks.foreign_models"
