@@ -20,9 +20,11 @@ Example::
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import numbers
 import os
+import re
 from collections.abc import Collection
 from typing import Any, TypeVar
 
@@ -272,3 +274,36 @@ def check_path(name: str, value: Any) -> str:
     if not isinstance(value, str | os.PathLike) or not os.fspath(value):
         raise TypeError(f"`{name}` must be a path, got {_shown(value)}")
     return os.fspath(value)  # type: ignore[return-value]
+
+
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST_NAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
+
+
+def check_bind_address(name: str, value: Any) -> str:
+    """``value`` as the address of a network interface to bind: an IPv4 / IPv6 address or a host name.
+
+    Raises:
+        TypeError: not a string.
+        ValueError: neither an IP address nor a host name (an empty string included).
+
+    Example::
+
+        >>> check_bind_address("prometheus_address", "127.0.0.1")
+        '127.0.0.1'
+        >>> check_bind_address("prometheus_address", "http://host")
+        Traceback (most recent call last):
+        ...
+        ValueError: `prometheus_address` must be an IP address or host name to bind, e.g. '127.0.0.1' (this machine only) or '0.0.0.0' (every interface), got 'http://host'
+    """  # noqa: E501
+    wanted = "an IP address or host name to bind, e.g. '127.0.0.1' (this machine only) or '0.0.0.0' (every interface)"
+    if not isinstance(value, str):
+        raise TypeError(f"`{name}` must be {wanted}, got {value!r} ({type(value).__name__})")
+    address = value.strip()
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        pass
+    if _HOST_NAME.match(address):
+        return address
+    raise ValueError(f"`{name}` must be {wanted}, got {value!r}")

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import ipaddress
 import pickle
-import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +10,11 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import nn
 from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
-from lightning_memopt.arguments import check_bool, check_int, check_optional_int, check_path
+from lightning_memopt.arguments import check_bind_address, check_bool, check_int, check_optional_int, check_path
+from lightning_memopt.memory.compiled import compiled_parts
 from lightning_memopt.memory.cuda_peak import reset_peak
 from lightning_memopt.memory.oom import is_oom_error
 from lightning_memopt.memory.report import format_report, write_timeline_chart
@@ -48,78 +45,6 @@ def ends_optimizer_step(trainer: Trainer, pl_module: LightningModule) -> bool:
     batch's values and when :func:`logging_step` grows; under manual optimization every batch is a step.
     """
     return not (pl_module.automatic_optimization and trainer.fit_loop.epoch_loop._should_accumulate())
-
-
-def compiled_parts(module: nn.Module) -> list[str]:
-    """The parts of ``module`` that run ``torch.compile``d code, named for a message; empty if none.
-
-    Found: compiled submodules (``torch.compile(submodule)``, ``submodule.compile()``), and a compiled
-    ``forward`` or ``training_step`` (decorated, assigned, or ``trainer.fit(torch.compile(model))``, which
-    Lightning turns into both). A compiled function that the module calls from elsewhere is not found.
-
-    Example::
-
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-        >>> compiled_parts(net)
-        []
-        >>> net[0] = torch.compile(net[0])
-        >>> compiled_parts(net)
-        ["0 (torch.compile'd module)"]
-    """
-    found: list[str] = []
-    inside_compiled: list[str] = []
-    # nothing is compiled before torch.compile imports dynamo (and importing it here would cost a second)
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    optimized_module = getattr(eval_frame, "OptimizedModule", None)
-    for name, submodule in module.named_modules():
-        if any(name.startswith(prefix) for prefix in inside_compiled):
-            continue  # the module a compiled wrapper holds runs compiled too: named once
-        label = name or type(submodule).__name__
-        if optimized_module is not None and isinstance(submodule, optimized_module):
-            found.append(f"{label} (torch.compile'd module)")
-            inside_compiled.append(f"{name}." if name else "")
-            continue
-        if getattr(submodule, "_compiled_call_impl", None) is not None:
-            found.append(f"{label} (Module.compile())")
-            continue
-        for method in ("forward", "training_step"):
-            if hasattr(getattr(submodule, method, None), "_torchdynamo_orig_callable"):
-                found.append(f"{label}.{method} (torch.compile)")
-    return found
-
-
-# -- argument checks ----------------------------------------------------------------------------------------
-_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_HOST_NAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
-
-
-def check_bind_address(name: str, value: Any) -> str:
-    """``value`` as the address of a network interface to bind: an IPv4 / IPv6 address or a host name.
-
-    Raises:
-        TypeError: not a string.
-        ValueError: neither an IP address nor a host name (an empty string included).
-
-    Example::
-
-        >>> check_bind_address("prometheus_address", "127.0.0.1")
-        '127.0.0.1'
-        >>> check_bind_address("prometheus_address", "http://host")
-        Traceback (most recent call last):
-        ...
-        ValueError: `prometheus_address` must be an IP address or host name to bind, e.g. '127.0.0.1' (this machine only) or '0.0.0.0' (every interface), got 'http://host'
-    """  # noqa: E501
-    wanted = "an IP address or host name to bind, e.g. '127.0.0.1' (this machine only) or '0.0.0.0' (every interface)"
-    if not isinstance(value, str):
-        raise TypeError(f"`{name}` must be {wanted}, got {value!r} ({type(value).__name__})")
-    address = value.strip()
-    try:
-        return str(ipaddress.ip_address(address))
-    except ValueError:
-        pass
-    if _HOST_NAME.match(address):
-        return address
-    raise ValueError(f"`{name}` must be {wanted}, got {value!r}")
 
 
 class MemoryMonitor(Callback):

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt.callbacks import MemoryMonitor, TrainingSummary
-from lightning_memopt.callbacks.memory_monitor import compiled_parts
+from lightning_memopt.memory.compiled import compiled_parts
 from lightning_memopt.tasks import FaceRecognitionModule
 from tests.helpers import quiet_trainer
 

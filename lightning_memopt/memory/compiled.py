@@ -1,0 +1,51 @@
+"""Which parts of a module run ``torch.compile``d code: a tensor-accounting dispatch mode must not run them.
+
+A ``TorchDispatchMode`` (the :class:`~lightning_memopt.memory.MemoryTracker`) active when dynamo first meets a
+frame turns compilation off for that frame for the rest of the process, so the callbacks that track a step
+ask this first.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch  # noqa: F401  (the example compiles)
+from torch import nn
+
+
+def compiled_parts(module: nn.Module) -> list[str]:
+    """The parts of ``module`` that run ``torch.compile``d code, named for a message; empty if none.
+
+    Found: compiled submodules (``torch.compile(submodule)``, ``submodule.compile()``), and a compiled
+    ``forward`` or ``training_step`` (decorated, assigned, or ``trainer.fit(torch.compile(model))``, which
+    Lightning turns into both). A compiled function that the module calls from elsewhere is not found.
+
+    Example::
+
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> compiled_parts(net)
+        []
+        >>> net[0] = torch.compile(net[0])
+        >>> compiled_parts(net)
+        ["0 (torch.compile'd module)"]
+    """
+    found: list[str] = []
+    inside_compiled: list[str] = []
+    # nothing is compiled before torch.compile imports dynamo (and importing it here would cost a second)
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized_module = getattr(eval_frame, "OptimizedModule", None)
+    for name, submodule in module.named_modules():
+        if any(name.startswith(prefix) for prefix in inside_compiled):
+            continue  # the module a compiled wrapper holds runs compiled too: named once
+        label = name or type(submodule).__name__
+        if optimized_module is not None and isinstance(submodule, optimized_module):
+            found.append(f"{label} (torch.compile'd module)")
+            inside_compiled.append(f"{name}." if name else "")
+            continue
+        if getattr(submodule, "_compiled_call_impl", None) is not None:
+            found.append(f"{label} (Module.compile())")
+            continue
+        for method in ("forward", "training_step"):
+            if hasattr(getattr(submodule, method, None), "_torchdynamo_orig_callable"):
+                found.append(f"{label}.{method} (torch.compile)")
+    return found
