@@ -129,26 +129,28 @@ def _names():
     def module(name: str):  # (by module path: a package may export a function of the module's name)
         return importlib.import_module(f"lightning_memopt.{name}")
 
-    micro_batch, policy = module("accumulation.micro_batch"), module("checkpointing.policy")
+    micro_batch, policy, vocabulary = (
+        module("accumulation.micro_batch"),
+        module("checkpointing.policy"),
+        module("vocabulary"),
+    )
     margin, topology, knn = module("losses.margin"), module("losses.topology"), module("metrics.functional.knn")
-    structure, hardware, knobs = module("models.structure"), module("planner.hardware"), module("planner.knobs")
-    resolve, schedule = module("precision.resolve"), module("precision.schedule")
+    hardware, schedule = module("planner.hardware"), module("precision.schedule")
     comm_hooks, fsdp = module("strategies.comm_hooks"), module("strategies.fsdp")
     face_recognition, lr_schedule = module("tasks.face_recognition"), module("tasks.lr_schedule")
     return {
-        "PrecisionName": (resolve.PrecisionName, resolve.PRECISIONS),
-        "PrecisionAlias": (resolve.PrecisionAlias, tuple(resolve.ALIASES)),
-        "planner PRECISIONS": (resolve.PrecisionName, knobs.PRECISIONS),
+        "PrecisionName": (vocabulary.PrecisionName, vocabulary.PRECISIONS),
+        "PrecisionAlias": (vocabulary.PrecisionAlias, tuple(vocabulary.PRECISION_ALIASES)),
         "ScheduleInterval": (schedule.ScheduleInterval, schedule.INTERVALS),
-        "CheckpointMode": (policy.CheckpointMode, policy.MODES),
+        "CheckpointMode": (vocabulary.CheckpointMode, vocabulary.CHECKPOINT_MODES),
         "AutoBlocks": (policy.AutoBlocks, policy.AUTO),
         "PolicyKeyword": (policy.PolicyKeyword, tuple(policy.KEYWORDS)),
         "LossReduction": (micro_batch.LossReduction, micro_batch.LOSS_REDUCTIONS),
         "CommHookName": (comm_hooks.CommHookName, comm_hooks.COMM_HOOKS),
         "ParamDtype": (fsdp.ParamDtype, tuple(fsdp.PARAM_DTYPES)),
         "GpuName": (hardware.GpuName, tuple(hardware.GPUS)),
-        "AttentionImpl": (structure.AttentionImpl, structure.ATTENTION_IMPLS),
-        "CheckpointKnob": (knobs.CheckpointKnob, knobs.CHECKPOINT_MODES),
+        "AttentionImpl": (vocabulary.AttentionImpl, vocabulary.ATTENTION_IMPLS),
+        "CheckpointKnob": (vocabulary.CheckpointKnob, vocabulary.CHECKPOINT_KNOBS),
         "OptimizerName": (face_recognition.OptimizerName, face_recognition.OPTIMIZERS),
         "ScheduleName": (lr_schedule.ScheduleName, lr_schedule.SCHEDULES),
         "TopologyVariant": (topology.TopologyVariant, topology.VARIANTS),
@@ -165,11 +167,11 @@ def test_literal_equals_the_runtime_names(name):
 
 
 def test_precision_setting_takes_auto_the_names_and_the_aliases():
-    from lightning_memopt.precision.resolve import ALIASES, PRECISIONS, PrecisionSetting
+    from lightning_memopt.vocabulary import PRECISION_ALIASES, PRECISIONS, PrecisionSetting
 
     strings, integers = typing.get_args(PrecisionSetting)
-    assert typing.get_args(strings) == ("auto", *PRECISIONS, *ALIASES)
-    assert {str(value) for value in typing.get_args(integers)} <= set(ALIASES)
+    assert typing.get_args(strings) == ("auto", *PRECISIONS, *PRECISION_ALIASES)
+    assert {str(value) for value in typing.get_args(integers)} <= set(PRECISION_ALIASES)
 
 
 def test_knobs_mapping_has_the_knobs_fields():

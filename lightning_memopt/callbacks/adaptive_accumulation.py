@@ -35,8 +35,9 @@ from lightning_memopt.accumulation.sizing import MicroBatchSizer
 from lightning_memopt.arguments import check_bool, check_optional_int
 from lightning_memopt.memory.allocator import allocator_retries
 from lightning_memopt.memory.oom import is_oom_error
-from lightning_memopt.memory.profile import PRECISIONS, profile_step
+from lightning_memopt.memory.profile import profile_step
 from lightning_memopt.strategies import MemoptFSDPStrategy
+from lightning_memopt.vocabulary import PROFILE_PRECISIONS
 
 _EVAL_STEPS = {"validate": ("validation_step",), "test": ("test_step",), "predict": ("predict_step",)}
 
@@ -440,7 +441,7 @@ class AdaptiveAccumulation(Callback):
         if error.sample is None or any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules()):
             return error  # (a SyncBatchNorm forward would wait for ranks that have stopped)
         precision = getattr(trainer.precision_plugin, "precision", trainer.precision)
-        precision = precision if precision in PRECISIONS else "32-true"
+        precision = precision if precision in PROFILE_PRECISIONS else "32-true"
         try:
             with _disable_current_modes(), self._unwrapped(pl_module, "training_step"):
                 profile = profile_step(pl_module, error.sample, mode="fake", precision=precision)

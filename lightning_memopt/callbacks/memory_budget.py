@@ -24,8 +24,8 @@ from lightning_memopt.planner.hardware import GpuName
 from lightning_memopt.planner.knobs import KnobsMapping
 from lightning_memopt.planner.search import check_safety_margin
 from lightning_memopt.strategies import MemoptFSDPStrategy
+from lightning_memopt.vocabulary import GIB
 
-_GIB = 2**30
 _APPLIED_BY = (PrecisionSwitch, ActivationCheckpointing, AdaptiveAccumulation)
 
 
@@ -195,7 +195,7 @@ class MemoryBudget(Callback):
         knobs = result.chosen.knobs
         return (
             f"{failure}\nonly a plan with fsdp_memopt fits: {knobs.describe()} (peak "
-            f"{result.chosen.peak_bytes / _GIB:.2f} GiB); run it with {_fsdp_command(knobs)}"
+            f"{result.chosen.peak_bytes / GIB:.2f} GiB); run it with {_fsdp_command(knobs)}"
         )
 
     def _hardware(self, device: torch.device) -> Hardware:
@@ -205,7 +205,7 @@ class MemoryBudget(Callback):
             hardware = cuda_hardware(device)
         else:  # off CUDA the memory is the host's: what is available now, unless a budget is given
             available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-            return measure_cpu(int(self.budget * _GIB) if self.budget is not None else available)
+            return measure_cpu(int(self.budget * GIB) if self.budget is not None else available)
         return hardware if self.budget is None else with_budget(hardware, self.budget)
 
     def _batch(self, trainer: Trainer) -> Any:
@@ -301,11 +301,11 @@ def _callbacks(trainer: Trainer) -> list[Callback]:
 def _nothing_fits(result: Plan) -> str:
     smallest = min(result.candidates, key=lambda candidate: candidate.peak_bytes, default=None)
     closest = (
-        f"; the smallest predicted peak is {smallest.peak_bytes / _GIB:.2f} GiB ({smallest.knobs.describe()})"
+        f"; the smallest predicted peak is {smallest.peak_bytes / GIB:.2f} GiB ({smallest.knobs.describe()})"
         if smallest is not None
         else ""
     )
     return (
-        f"no configuration that keeps the result fits within {result.limit_bytes / _GIB:.2f} GiB{closest}; "
+        f"no configuration that keeps the result fits within {result.limit_bytes / GIB:.2f} GiB{closest}; "
         "the candidates table is logged above (memopt-plan prints it too, with the options that change the result)"
     )

@@ -19,8 +19,8 @@ from lightning_memopt.memory.cuda_peak import reset_peak
 from lightning_memopt.memory.oom import is_oom_error
 from lightning_memopt.memory.report import format_report, write_timeline_chart
 from lightning_memopt.memory.tracker import MemoryTracker
+from lightning_memopt.vocabulary import GB
 
-_GB = 1e9
 # the figures each kind of device has (Prometheus serves these, nothing else)
 CPU_FIGURES = ("peak_allocated_gb", "allocated_gb")
 CUDA_FIGURES = ("peak_allocated_gb", "allocated_gb", "reserved_gb", "active_gb", "fragmentation", "alloc_retries")
@@ -130,7 +130,6 @@ class MemoryMonitor(Callback):
                     "pip install 'lightning-memopt[prometheus]'"
                 ) from None
         self.tracker: MemoryTracker | None = None
-        self._tracking = False  # the tracker's dispatch mode is entered (paused between micro-batches)
         self._gauges: dict[str, Any] = {}
         self._registry: Any = None
         self._server: Any = None  # (server, thread) of the Prometheus endpoint
@@ -176,14 +175,12 @@ class MemoryMonitor(Callback):
             torch.cuda.memory._record_memory_history(enabled=None)
 
     def _pause_tracking(self) -> None:
-        if self.tracker is not None and self._tracking:
+        if self.tracker is not None and self.tracker.active:
             self.tracker.__exit__(None, None, None)
-            self._tracking = False
 
     def _stop_tracking(self) -> None:
         if self.tracker is not None:
-            self._pause_tracking()
-            self.tracker.remove_hooks()
+            self.tracker.close()
             self.last_tracked = self.tracker
             self.tracker = None
 
@@ -208,13 +205,12 @@ class MemoryMonitor(Callback):
                 self._sampling = False
                 self._warn_compiled(compiled)
                 return
-            self.tracker = MemoryTracker(record_timeline=True)
-            self.tracker.track_training_state(pl_module, trainer.optimizers, batch)
-        else:  # the next micro-batch of the step
-            self.tracker.track(tree_flatten(batch)[0], "inputs", op="batch")
+            self.tracker = MemoryTracker.start_training_step(pl_module, trainer.optimizers, batch, record_timeline=True)
+            return
+        # the next micro-batch of the step
+        self.tracker.track(tree_flatten(batch)[0], "inputs", op="batch")
         self.tracker.phase = "forward"
         self.tracker.__enter__()
-        self._tracking = True
 
     def _warn_compiled(self, compiled: list[str]) -> None:
         if self._warned_compiled:
@@ -268,10 +264,10 @@ class MemoryMonitor(Callback):
             allocated = stats.get("allocated_bytes.all.current", 0)
             reserved = stats.get("reserved_bytes.all.current", 0)
             figures = {
-                "peak_allocated_gb": stats.get("allocated_bytes.all.peak", 0) / _GB,
-                "allocated_gb": allocated / _GB,
-                "reserved_gb": reserved / _GB,
-                "active_gb": stats.get("active_bytes.all.current", 0) / _GB,
+                "peak_allocated_gb": stats.get("allocated_bytes.all.peak", 0) / GB,
+                "allocated_gb": allocated / GB,
+                "reserved_gb": reserved / GB,
+                "active_gb": stats.get("active_bytes.all.current", 0) / GB,
                 "fragmentation": 1.0 - allocated / reserved if reserved else 0.0,
                 "alloc_retries": float(stats.get("num_alloc_retries", 0)),
             }
@@ -279,8 +275,8 @@ class MemoryMonitor(Callback):
             return figures
         assert self.tracker is not None
         return {
-            "peak_allocated_gb": self.tracker.peak.total_bytes / _GB,
-            "allocated_gb": self.tracker.live_bytes / _GB,
+            "peak_allocated_gb": self.tracker.peak.total_bytes / GB,
+            "allocated_gb": self.tracker.live_bytes / GB,
         }
 
     def _log(self, trainer: Trainer, pl_module: LightningModule, figures: dict[str, float], step: int) -> None:

@@ -25,10 +25,10 @@ from lightning_memopt.precision import (
     remove_fp32_islands,
     supports_bf16,
 )
-from lightning_memopt.precision.resolve import PrecisionSetting
 from lightning_memopt.precision.schedule import PrecisionScheduleSpec, ScheduleInterval, check_interval
 from lightning_memopt.selection import ModuleSpec, normalise_specs
 from lightning_memopt.strategies import MemoptFSDPStrategy
+from lightning_memopt.vocabulary import PrecisionSetting
 
 
 class PrecisionSwitch(Callback):

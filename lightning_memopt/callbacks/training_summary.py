@@ -15,6 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_memopt.accumulation.split import BatchSplitError, batch_size
 from lightning_memopt.arguments import check_bool, check_int, check_output_file
 from lightning_memopt.callbacks.memory_monitor import logging_step
 from lightning_memopt.memory.compiled import compiled_parts
@@ -55,17 +56,12 @@ class FitSummary:
         )
 
 
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, list | tuple):
-        for item in batch:
-            size = _batch_size(item)
-            if size:
-                return size
-    return 0
+def _samples_in(batch: Any) -> int:
+    """The samples of ``batch`` as micro-batching counts them; 0 for a batch whose size cannot be told."""
+    try:
+        return batch_size(batch)
+    except BatchSplitError:
+        return 0
 
 
 _PROC_STATUS = Path("/proc/self/status")
@@ -198,9 +194,7 @@ class TrainingSummary(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._device.type != "cuda" and self._batches == self.memory_batch and not self._skip_compiled(pl_module):
             self._close_stretch()  # the counted batch is slower: keep it out of the throughput
-            self._tracker = MemoryTracker()
-            self._tracker.track_training_state(pl_module, trainer.optimizers, batch)
-            self._tracker.__enter__()
+            self._tracker = MemoryTracker.start_training_step(pl_module, trainer.optimizers, batch)
             return
         if self._stretch_started is None:
             if self._device.type == "cuda":
@@ -224,7 +218,7 @@ class TrainingSummary(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._batches += 1
-        samples = _batch_size(batch) * trainer.world_size
+        samples = _samples_in(batch) * trainer.world_size
         self.summary.samples += samples
         if self._tracker is not None:
             self._stop_tracking()
@@ -234,8 +228,7 @@ class TrainingSummary(Callback):
     def _stop_tracking(self) -> None:
         if self._tracker is None:
             return
-        self._tracker.__exit__(None, None, None)
-        self._tracker.remove_hooks()
+        self._tracker.close()
         self.summary.peak_memory_bytes = self._tracker.peak.total_bytes
         self.summary.peak_memory_source = f"live tensor bytes of training batch {self.memory_batch} (MemoryTracker)"
         self._tracker = None

@@ -12,9 +12,7 @@ Example::
 
 from lightning_memopt.checkpointing.offload import offload_to_host
 from lightning_memopt.checkpointing.policy import (
-    MODES,
     BlocksSpec,
-    CheckpointMode,
     Policy,
     PolicySpec,
     check_blocks,
@@ -28,9 +26,10 @@ from lightning_memopt.checkpointing.wrap import (
     checkpoint_modules,
     remove_activation_checkpointing,
 )
+from lightning_memopt.vocabulary import CHECKPOINT_MODES, CheckpointMode
 
 __all__ = [
-    "MODES",
+    "CHECKPOINT_MODES",
     "SAVED_OPS",
     "SAVED_OP_NAMES",
     "BlocksSpec",

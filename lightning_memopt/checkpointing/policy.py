@@ -19,9 +19,8 @@ from typing_extensions import TypedDict
 from lightning_memopt.arguments import check_int
 from lightning_memopt.models.structure import model_structure
 from lightning_memopt.selection import ModuleSpec, normalise_specs, select_modules, spec_name
+from lightning_memopt.vocabulary import CHECKPOINT_MODES, CheckpointMode
 
-MODES = ("full", "selective", "offload")
-CheckpointMode = Literal["full", "selective", "offload"]  # == MODES (tests/test_public_signatures.py)
 # "auto": the blocks the model declares, else the repeated blocks discovered in it; "preset" is its old name
 AUTO = ("auto", "preset")
 AutoBlocks = Literal["auto", "preset"]  # == AUTO
@@ -78,8 +77,8 @@ class Policy:
         every_n: int | Literal["sqrt"] | None = None,
         mode: CheckpointMode = "full",
     ) -> None:
-        if not isinstance(mode, str) or mode not in MODES:
-            raise ValueError(f"Unknown `mode`={mode!r}; valid choices: {', '.join(MODES)}")
+        if not isinstance(mode, str) or mode not in CHECKPOINT_MODES:
+            raise ValueError(f"Unknown `mode`={mode!r}; valid choices: {', '.join(CHECKPOINT_MODES)}")
         if every_n is not None and every_n != "sqrt":
             try:
                 every_n = check_int("every_n", every_n, minimum=1)

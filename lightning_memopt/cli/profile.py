@@ -18,13 +18,12 @@ from omegaconf import DictConfig
 
 from lightning_memopt.cli.config import config_dir, route_lightning_logs
 from lightning_memopt.cli.errors import input_errors, run_hydra_app, task_started
+from lightning_memopt.vocabulary import GIB
 
 # torch and Lightning are imported once the task starts, not with this module: `memopt-profile --help`,
 # `--cfg job` and shell completion then answer at once.
 if TYPE_CHECKING:
     from lightning_memopt.memory.profile import MemoryProfile
-
-_GIB = 2**30
 
 
 def profile(cfg: DictConfig) -> MemoryProfile:
@@ -47,24 +46,18 @@ def profile(cfg: DictConfig) -> MemoryProfile:
 
 def write_breakdown_chart(result: MemoryProfile, path: Path) -> None:
     """A horizontal bar of the breakdown at the peak, one segment per category."""
-    import matplotlib
+    from lightning_memopt.memory.chart import chart
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(8, 2.2))
-    left = 0.0
-    for category, nbytes in result.breakdown.items():
-        if nbytes:
-            axes.barh([0], [nbytes / _GIB], left=left, label=category)
-            left += nbytes / _GIB
-    axes.set_yticks([])
-    axes.set_xlabel("GiB at the peak")
-    axes.set_title(f"peak {result.peak_gib:.2f} GiB ({result.mode}, {result.precision})")
-    axes.legend(ncol=3, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.45))
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    with chart(path, (8, 2.2)) as axes:
+        left = 0.0
+        for category, nbytes in result.breakdown.items():
+            if nbytes:
+                axes.barh([0], [nbytes / GIB], left=left, label=category)
+                left += nbytes / GIB
+        axes.set_yticks([])
+        axes.set_xlabel("GiB at the peak")
+        axes.set_title(f"peak {result.peak_gib:.2f} GiB ({result.mode}, {result.precision})")
+        axes.legend(ncol=3, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.45))
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="profile")

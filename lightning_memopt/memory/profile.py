@@ -22,11 +22,10 @@ from lightning_memopt.memory.tracker import (
     MemoryTracker,
 )
 from lightning_memopt.memory.work import Work, WorkCounter, sum_work
+from lightning_memopt.vocabulary import GIB, PROFILE_PRECISIONS
 
 MODES = ("real", "fake")
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _HALF = {"bf16": torch.bfloat16, "16": torch.float16}
-_GIB = 2**30
 
 ModelSource = nn.Module | Callable[[], nn.Module]
 OptimizerSource = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
@@ -71,21 +70,21 @@ class MemoryProfile:
 
     @property
     def peak_gib(self) -> float:
-        return self.peak_bytes / _GIB
+        return self.peak_bytes / GIB
 
     def table(self) -> str:
         """A plain-text table: the peak, its breakdown and the activations of each top-level module."""
         lines = [
-            f"peak {self.peak_bytes / _GIB:.3f} GiB ({self.peak_bytes:,} B) in {self.peak_phase}; "
+            f"peak {self.peak_bytes / GIB:.3f} GiB ({self.peak_bytes:,} B) in {self.peak_phase}; "
             f"mode={self.mode}, precision={self.precision}",
             f"{'category':<24}{'GiB':>10}{'share':>8}",
         ]
         for category, nbytes in self.breakdown.items():
             share = nbytes / self.peak_bytes if self.peak_bytes else 0.0
-            lines.append(f"{category:<24}{nbytes / _GIB:>10.3f}{share:>8.1%}")
+            lines.append(f"{category:<24}{nbytes / GIB:>10.3f}{share:>8.1%}")
         if self.activations_by_module:
             lines.append(f"{'activations by module':<24}{'GiB':>10}")
-            lines += [f"  {name:<22}{nbytes / _GIB:>10.3f}" for name, nbytes in self.activations_by_module.items()]
+            lines += [f"  {name:<22}{nbytes / GIB:>10.3f}" for name, nbytes in self.activations_by_module.items()]
         return "\n".join(lines)
 
 
@@ -151,8 +150,8 @@ def profile_step(
     """
     if mode not in MODES:
         raise ValueError(f"Unknown `mode`={mode!r}; valid choices: {', '.join(MODES)}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"Unknown `precision`={precision!r}; valid choices: {', '.join(PRECISIONS)}")
+    if precision not in PROFILE_PRECISIONS:
+        raise ValueError(f"Unknown `precision`={precision!r}; valid choices: {', '.join(PROFILE_PRECISIONS)}")
     if steps < 1:
         raise ValueError(f"`steps`={steps!r} must be at least 1")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if mode == "fake" else None
@@ -377,4 +376,4 @@ def _quiet_logging() -> Iterator[None]:
         yield
 
 
-__all__ = ["CATEGORIES", "MODES", "PRECISIONS", "MemoryProfile", "TensorInfo", "profile_step"]
+__all__ = ["CATEGORIES", "MODES", "MemoryProfile", "TensorInfo", "profile_step"]

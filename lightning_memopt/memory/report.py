@@ -6,14 +6,15 @@ from pathlib import Path
 
 import torch
 
+from lightning_memopt.memory.chart import chart
 from lightning_memopt.memory.tracker import MemorySnapshot
+from lightning_memopt.vocabulary import GIB, format_bytes
 
-_GIB = 2**30
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / _GIB:.3f} GiB" if nbytes >= 2**27 else f"{nbytes / 2**20:.3f} MiB"
+    return format_bytes(nbytes, digits=3, gib_from=2**27)
 
 
 def suggestions(snapshot: MemorySnapshot) -> list[tuple[str, int, str]]:
@@ -93,22 +94,14 @@ def format_report(snapshot: MemorySnapshot, title: str, largest: int = 15) -> st
 def write_timeline_chart(timeline: list[tuple[int, int, str]], path: Path, title: str) -> bool:
     """Plot live bytes over the events of a step to a PNG; False when matplotlib is not installed."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        with chart(path, (9, 4)) as axes:
+            for phase in sorted({phase for _, _, phase in timeline}):
+                points = [(event, live / GIB) for event, live, p in timeline if p == phase]
+                axes.scatter([e for e, _ in points], [g for _, g in points], s=4, label=phase)
+            axes.set_xlabel("allocation / free event")
+            axes.set_ylabel("live tensor memory (GiB)")
+            axes.set_title(title)
+            axes.legend(markerscale=3)
     except ImportError:
         return False
-    figure, axes = plt.subplots(figsize=(9, 4))
-    phases = sorted({phase for _, _, phase in timeline})
-    for phase in phases:
-        points = [(event, live / _GIB) for event, live, p in timeline if p == phase]
-        axes.scatter([e for e, _ in points], [g for _, g in points], s=4, label=phase)
-    axes.set_xlabel("allocation / free event")
-    axes.set_ylabel("live tensor memory (GiB)")
-    axes.set_title(title)
-    axes.legend(markerscale=3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
     return True

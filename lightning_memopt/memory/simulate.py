@@ -8,9 +8,7 @@ import torch
 from torch import nn
 
 from lightning_memopt.memory.tracker import MemoryTracker
-
-_GIB = 2**30
-_MIB = 2**20
+from lightning_memopt.vocabulary import format_bytes
 
 
 class SimulatedDevice(MemoryTracker):
@@ -73,11 +71,7 @@ class SimulatedDevice(MemoryTracker):
         self.oom_count += 1
         free = max(0, self.budget_bytes - self.live_bytes)
         raise torch.OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate {_format(nbytes)} (simulated). The simulated device has a "
-            f"total capacity of {_format(self.budget_bytes)} of which {_format(free)} is free. "
-            f"{_format(self.live_bytes)} is allocated by tensors. Failing op: {op} {list(shape)} {dtype}."
+            f"CUDA out of memory. Tried to allocate {format_bytes(nbytes)} (simulated). The simulated device has a "
+            f"total capacity of {format_bytes(self.budget_bytes)} of which {format_bytes(free)} is free. "
+            f"{format_bytes(self.live_bytes)} is allocated by tensors. Failing op: {op} {list(shape)} {dtype}."
         )
-
-
-def _format(nbytes: int) -> str:
-    return f"{nbytes / _GIB:.2f} GiB" if nbytes >= _GIB else f"{nbytes / _MIB:.2f} MiB"

@@ -181,6 +181,7 @@ class MemoryTracker(TorchDispatchMode):
         self._hooks: list[Any] = []
         self._lock = threading.RLock()
         self._events = 0
+        self.active = False  # the dispatch mode is entered (counting)
 
     # -- what gets counted -------------------------------------------------------------------
     def _rounded(self, nbytes: int) -> int:
@@ -358,6 +359,35 @@ class MemoryTracker(TorchDispatchMode):
             self.track_optimizer(optimizer)
         self.track(tree_flatten(batch)[0], "inputs", op="batch")
 
+    @classmethod
+    def start_training_step(
+        cls, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], batch: Any, record_timeline: bool = False
+    ) -> MemoryTracker:
+        """A tracker that has counted what a training step starts with, counting now in its forward phase.
+
+        What the callbacks run through one training step; end it with :meth:`close`.
+
+        Example::
+
+            >>> model = nn.Linear(4, 2)
+            >>> tracker = MemoryTracker.start_training_step(model, [], torch.zeros(3, 4))
+            >>> model(torch.zeros(3, 4)).sum().backward()
+            >>> tracker.close()
+            >>> tracker.active, tracker.peak.by_category()["parameters"]
+            (False, 40)
+        """
+        tracker = cls(record_timeline=record_timeline)
+        tracker.track_training_state(module, optimizers, batch)
+        tracker.phase = "forward"
+        tracker.__enter__()
+        return tracker
+
+    def close(self) -> None:
+        """Stop counting and detach the module hooks (the figures stay readable)."""
+        if self.active:
+            self.__exit__(None, None, None)
+        self.remove_hooks()
+
     def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Count the tensors already in ``optimizer.state`` as optimizer state."""
         self.track(_state_tensors(optimizer), "optimizer_state", op="optimizer state")
@@ -512,12 +542,14 @@ class MemoryTracker(TorchDispatchMode):
             return MemorySnapshot(self.live_bytes, self.phase, list(self._records.values()))
 
     def __enter__(self) -> MemoryTracker:
+        self.active = True
         _RESIZE_WATCHERS.append(self)
         if len(_RESIZE_WATCHERS) == 1:
             torch.UntypedStorage.resize_ = _counted_resize  # type: ignore[method-assign]
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
+        self.active = False
         super().__exit__(*exc)
         _RESIZE_WATCHERS.remove(self)
         if not _RESIZE_WATCHERS:

@@ -28,14 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from torch import nn
 
 from lightning_memopt.models.discovery import discover_blocks, outermost
-
-ATTENTION_IMPLS = ("sdpa", "math")  # fused scaled_dot_product_attention, or the materialised score matrix
-AttentionImpl = Literal["sdpa", "math"]  # == ATTENTION_IMPLS
+from lightning_memopt.vocabulary import ATTENTION_IMPLS
 
 
 def check_attn_impl(attn_impl: object) -> str:

@@ -23,10 +23,7 @@ from torch import nn
 from lightning_memopt.arguments import check_float
 from lightning_memopt.checkpointing.wrap import checkpoint_modules
 from lightning_memopt.memory.work import WorkCounter
-
-CHECKPOINT_MODES = ("full", "selective", "offload")
-_GIB = 2**30
-_MIB = 2**20
+from lightning_memopt.vocabulary import CHECKPOINT_KNOBS, CHECKPOINT_MODES, GIB, MIB
 
 
 @dataclass(frozen=True)
@@ -69,7 +66,7 @@ class Hardware:
 
     @property
     def memory_gib(self) -> float:
-        return self.memory_bytes / _GIB
+        return self.memory_bytes / GIB
 
     @property
     def mixed_precision(self) -> str:
@@ -80,7 +77,7 @@ class Hardware:
 def _gpu(
     name: str, mib: int, bf16: bool, full: float, half: float, hbm: float, host: float, peer: float, dram: float
 ) -> Hardware:
-    return Hardware(name, mib * _MIB, bf16, full, half, hbm, host, peer, dram)
+    return Hardware(name, mib * MIB, bf16, full, half, hbm, host, peer, dram)
 
 
 GPUS: dict[str, Hardware] = {
@@ -165,7 +162,7 @@ def with_budget(hardware: Hardware, budget_gib: float) -> Hardware:
             f"{hardware!r} ({type(hardware).__name__})"
         )
     budget = check_float("budget", budget_gib, minimum=0, open_minimum=True)
-    return replace(hardware, memory_bytes=int(budget * _GIB))
+    return replace(hardware, memory_bytes=int(budget * GIB))
 
 
 def cuda_hardware(device: torch.device) -> Hardware:
@@ -190,7 +187,7 @@ def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5) -> Hardwar
     """
     a = torch.randn(size, size)
     half = a.bfloat16()
-    big = torch.empty(8 * _MIB // 4)
+    big = torch.empty(8 * MIB // 4)
 
     def best(run: Callable[[], object]) -> float:
         times = []
@@ -254,7 +251,7 @@ def _small_step_seconds(
     kernel = 0.0
     for depth in (1, 4):
         seconds = {}
-        for mode in ("none", *CHECKPOINT_MODES):
+        for mode in CHECKPOINT_KNOBS:
             model = nn.Sequential(*(_Block(depth) for _ in range(blocks)))
             if mode != "none":
                 checkpoint_modules(model, {"modules": [str(i) for i in range(blocks)], "mode": mode})

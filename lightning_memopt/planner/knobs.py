@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
 from typing_extensions import TypedDict
 
 from lightning_memopt.arguments import check_bool, check_int, check_optional_int
-from lightning_memopt.models.structure import ATTENTION_IMPLS, AttentionImpl
 from lightning_memopt.planner.sharding import Sharding
-from lightning_memopt.precision.resolve import PrecisionName
-
-CHECKPOINT_MODES = ("none", "selective", "full", "offload")
-CheckpointKnob = Literal["none", "selective", "full", "offload"]  # == CHECKPOINT_MODES
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")  # == typing.get_args(PrecisionName)
+from lightning_memopt.vocabulary import (
+    ATTENTION_IMPLS,
+    CHECKPOINT_KNOBS,
+    PRECISIONS,
+    AttentionImpl,
+    CheckpointKnob,
+    PrecisionName,
+)
 
 
 class KnobsMapping(TypedDict, total=False):
@@ -76,7 +78,7 @@ class Knobs:
         _check_choice("precision", self.precision, PRECISIONS)
         if self.attn_impl is not None:
             _check_choice("attn_impl", self.attn_impl, ATTENTION_IMPLS)
-        _check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
+        _check_choice("checkpoint", self.checkpoint, CHECKPOINT_KNOBS)
         # values as Hydra gives them ("off", 2.0) in their proper types, so equal knobs compare equal
         object.__setattr__(self, "every_n", check_int("every_n", self.every_n, minimum=1))
         object.__setattr__(self, "shards", check_int("shards", self.shards, minimum=1))

@@ -11,7 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-_MIB = 2**20
+from lightning_memopt.memory.chart import chart
+from lightning_memopt.vocabulary import MIB
+
 # the memory_budget knobs prefix, left out of the labels
 KNOB_PREFIX = "memopt.callbacks.memory_budget.knobs."
 
@@ -89,7 +91,7 @@ def table(runs: Sequence[SweepRun], budget_bytes: int | None = None) -> str:
     )
     lines = [header]
     for run, name in zip(ordered, names, strict=True):
-        line = f"{name:<{width}}  {run.peak_bytes / _MIB:>9.2f}  {run.samples_per_second:>9.2f}  "
+        line = f"{name:<{width}}  {run.peak_bytes / MIB:>9.2f}  {run.samples_per_second:>9.2f}  "
         line += f"{'yes' if run in front else '':<5}"
         if budget_bytes:
             line += f"  {'yes' if run.peak_bytes <= budget_bytes else 'no'}"
@@ -99,24 +101,16 @@ def table(runs: Sequence[SweepRun], budget_bytes: int | None = None) -> str:
 
 def write_chart(runs: Sequence[SweepRun], path: str | Path, budget_bytes: int | None = None) -> None:
     """Scatter of throughput against peak memory, the front joined, the budget as a vertical line (matplotlib)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(8, 5))
-    axes.scatter([r.peak_bytes / _MIB for r in runs], [r.samples_per_second for r in runs], color="0.6")
-    front = pareto_front(runs)
-    names = dict(zip(runs, labels(runs), strict=True))
-    axes.plot([r.peak_bytes / _MIB for r in front], [r.samples_per_second for r in front], "o-", color="C0")
-    for run in front:
-        axes.annotate(names[run], (run.peak_bytes / _MIB, run.samples_per_second), fontsize=7, rotation=15)
-    if budget_bytes:
-        axes.axvline(budget_bytes / _MIB, color="C3", linestyle="--", label="budget")
-        axes.legend()
-    axes.set_xlabel("peak memory (MiB)")
-    axes.set_ylabel("samples / s")
-    axes.set_title("memory_grid: the Pareto front")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    with chart(path, (8, 5), dpi=120) as axes:
+        axes.scatter([r.peak_bytes / MIB for r in runs], [r.samples_per_second for r in runs], color="0.6")
+        front = pareto_front(runs)
+        names = dict(zip(runs, labels(runs), strict=True))
+        axes.plot([r.peak_bytes / MIB for r in front], [r.samples_per_second for r in front], "o-", color="C0")
+        for run in front:
+            axes.annotate(names[run], (run.peak_bytes / MIB, run.samples_per_second), fontsize=7, rotation=15)
+        if budget_bytes:
+            axes.axvline(budget_bytes / MIB, color="C3", linestyle="--", label="budget")
+            axes.legend()
+        axes.set_xlabel("peak memory (MiB)")
+        axes.set_ylabel("samples / s")
+        axes.set_title("memory_grid: the Pareto front")

@@ -6,14 +6,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_memopt.memory.chart import chart
 from lightning_memopt.planner.hardware import Hardware
 from lightning_memopt.planner.options import MeasuredOption
+from lightning_memopt.vocabulary import GIB, MIB
 
 if TYPE_CHECKING:
     from lightning_memopt.planner.knobs import Knobs
     from lightning_memopt.planner.search import Candidate
 
-_GIB = 2**30
 _SHOWN = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
 
 
@@ -38,7 +39,7 @@ class Plan:
 
     def table(self) -> str:
         """Every candidate (peak, breakdown, step time, fits), what was skipped, the choice and the options."""
-        unit, scale = ("GiB", _GIB) if self.hardware.memory_bytes >= _GIB else ("MiB", 2**20)
+        unit, scale = ("GiB", GIB) if self.hardware.memory_bytes >= GIB else ("MiB", MIB)
         on_host = any(candidate.host_bytes for candidate in self.candidates)
         header = f"{'':2}{'candidate':<44}{'peak ' + unit:>9}" + "".join(f"{_short(k):>8}" for k in _SHOWN)
         header += f"{'host':>8}" if on_host else ""
@@ -93,30 +94,23 @@ class Plan:
 
     def write_chart(self, path: str | Path) -> None:
         """Stacked memory bars per candidate against the budget line (PNG; needs matplotlib)."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         shown = sorted(self.candidates, key=lambda c: c.cost.total)
-        figure, axes = plt.subplots(figsize=(max(6.0, 0.6 * len(shown) + 2), 4.5))
-        positions = list(range(len(shown)))
-        bottom = [0.0] * len(shown)
-        for category in _SHOWN:
-            heights = [c.breakdown.get(category, 0) / _GIB for c in shown]
-            axes.bar(positions, heights, bottom=bottom, label=category)
-            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-        axes.scatter(positions, [c.peak_bytes / _GIB for c in shown], color="black", marker="_", s=200, label="peak")
-        axes.axhline(self.hardware.memory_gib, color="red", label=f"{self.hardware.name}")
-        axes.axhline(self.limit_bytes / _GIB, color="red", linestyle="--", label="budget less safety margin")
-        labels = [("→ " if c is self.chosen else "") + c.knobs.describe() for c in shown]
-        axes.set_xticks(positions, labels, rotation=60, ha="right", fontsize=7)
-        axes.set_ylabel("GiB (breakdown at the peak)")
-        axes.set_title("memopt-plan: predicted peak per candidate, cheapest step first")
-        axes.legend(fontsize=7, loc="upper right")
-        figure.tight_layout()
-        figure.savefig(path, dpi=100)
-        plt.close(figure)
+        with chart(path, (max(6.0, 0.6 * len(shown) + 2), 4.5)) as axes:
+            positions = list(range(len(shown)))
+            bottom = [0.0] * len(shown)
+            for category in _SHOWN:
+                heights = [c.breakdown.get(category, 0) / GIB for c in shown]
+                axes.bar(positions, heights, bottom=bottom, label=category)
+                bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+            peaks = [c.peak_bytes / GIB for c in shown]
+            axes.scatter(positions, peaks, color="black", marker="_", s=200, label="peak")
+            axes.axhline(self.hardware.memory_gib, color="red", label=f"{self.hardware.name}")
+            axes.axhline(self.limit_bytes / GIB, color="red", linestyle="--", label="budget less safety margin")
+            labels = [("→ " if c is self.chosen else "") + c.knobs.describe() for c in shown]
+            axes.set_xticks(positions, labels, rotation=60, ha="right", fontsize=7)
+            axes.set_ylabel("GiB (breakdown at the peak)")
+            axes.set_title("memopt-plan: predicted peak per candidate, cheapest step first")
+            axes.legend(fontsize=7, loc="upper right")
 
     def summary(self) -> dict[str, Any]:
         """The chosen plan as loggable values."""
@@ -125,8 +119,8 @@ class Plan:
         return {
             "fits": True,
             **{f"knobs.{k}": v for k, v in self.chosen.knobs.as_dict().items()},
-            "predicted_peak_gib": round(self.chosen.peak_bytes / _GIB, 3),
-            "predicted_host_gib": round(self.chosen.host_bytes / _GIB, 3),
+            "predicted_peak_gib": round(self.chosen.peak_bytes / GIB, 3),
+            "predicted_host_gib": round(self.chosen.host_bytes / GIB, 3),
             "estimated_step_seconds": self.chosen.cost.total,
             "budget_gib": round(self.hardware.memory_gib, 3),
         }

@@ -25,11 +25,11 @@ from lightning_memopt.checkpointing import Policy, apply_activation_checkpointin
 from lightning_memopt.memory.profile import LossFn, MemoryProfile, OptimizerSource, profile_step
 from lightning_memopt.memory.tracker import CATEGORIES
 from lightning_memopt.memory.work import Work
-from lightning_memopt.models.structure import ATTENTION_IMPLS, model_structure, set_attention
+from lightning_memopt.models.structure import model_structure, set_attention
 from lightning_memopt.planner.cost import StepCost, step_cost
 from lightning_memopt.planner.estimate import MOMENTS, StepEstimate, checkpointed, from_profile
 from lightning_memopt.planner.hardware import Hardware
-from lightning_memopt.planner.knobs import PRECISIONS, Knobs
+from lightning_memopt.planner.knobs import Knobs
 from lightning_memopt.planner.options import MeasuredOption, ResultChangingOption, measure_options
 from lightning_memopt.planner.report import Plan
 from lightning_memopt.planner.sharding import (
@@ -42,13 +42,13 @@ from lightning_memopt.planner.sharding import (
 )
 from lightning_memopt.selection import describe_model
 from lightning_memopt.strategies.sharding import ShardingError
+from lightning_memopt.vocabulary import ATTENTION_IMPLS, PRECISIONS, format_bytes
 
-_GIB = 2**30
 _ROUND_TO = 512  # the profiles count each tensor in 512-byte blocks, as the CUDA caching allocator
 # estimates run up to 15 % over their profiles (offload, mixed precision): those within 20 % of the limit are profiled
 CONFIRM_WINDOW = 1.2
 # checkpointing from cheapest to most saving: (mode, every_n)
-LADDER = (
+CHECKPOINT_LADDER = (
     ("none", 1),
     ("selective", 1),
     ("full", 4),
@@ -308,7 +308,9 @@ def plan(
     found = Policy(blocks).matches(described)
     if not found and Policy(blocks).modules is not None:
         raise PlanError(f"`blocks`={blocks!r} match no module of the model; {describe_model(described)}")
-    selections = {n: [name for name, _ in Policy(blocks, every_n=n).matches(described)] for n in {n for _, n in LADDER}}
+    selections = {
+        n: [name for name, _ in Policy(blocks, every_n=n).matches(described)] for n in {n for _, n in CHECKPOINT_LADDER}
+    }
     trainable = sum(p.numel() * 4 for p in described.parameters() if p.requires_grad)
     has_attention = bool(structure.attention)
     coupled = bool(getattr(described, "batch_coupled_loss", False))
@@ -449,7 +451,7 @@ def _search_group(search: _Search, group: _Group, anchor: MemoryProfile, verify:
     confirmed = search.candidates_of(base, from_profile(anchor, extra), "profiled")
     estimates: list[Candidate] = []
     seen: set[tuple[str, tuple[str, ...]]] = set()
-    for mode, every_n in LADDER[1:]:
+    for mode, every_n in CHECKPOINT_LADDER[1:]:
         chosen = search.selections[every_n]
         key = (mode, tuple(chosen))
         if not chosen or key in seen:
@@ -550,15 +552,15 @@ def _check_model_states(search: _Search, anchor: MemoryProfile, options: Sequenc
     needs = {knobs.sharding: search.sharded(knobs, alone) for knobs in layouts}
     if min(estimate.peak_bytes for estimate in needs.values()) <= search.limit:
         return
-    lines = [f"  {name:<16}{_format(nbytes):>12}" for name, nbytes in states.items()]
+    lines = [f"  {name:<16}{format_bytes(nbytes):>12}" for name, nbytes in states.items()]
     for layout, estimate in needs.items():
         if layout.active:
-            host = f" and {_format(estimate.host_bytes)} of host memory" if estimate.host_bytes else ""
-            lines.append(f"  {layout.describe() + ':':<28}{_format(estimate.peak_bytes)} per GPU{host}")
+            host = f" and {format_bytes(estimate.host_bytes)} of host memory" if estimate.host_bytes else ""
+            lines.append(f"  {layout.describe() + ':':<28}{format_bytes(estimate.peak_bytes)} per GPU{host}")
     listed = "\n".join(f"  - {option.name}: {option.caveat}" for option in options) or "  (none for this model)"
     raise PlanError(
-        f"the budget {_format(search.limit)} ({search.hardware.name}, less the safety margin) is smaller "
-        f"than the model states alone ({_format(sum(states.values()))}) need on the device in any layout "
+        f"the budget {format_bytes(search.limit)} ({search.hardware.name}, less the safety margin) is smaller "
+        f"than the model states alone ({format_bytes(sum(states.values()))}) need on the device in any layout "
         "considered:\n"
         + "\n".join(lines)
         + "\nno setting that keeps the result can fit; options that change the result:\n"
@@ -609,10 +611,6 @@ def _layouts(devices: int, shards: Sequence[int] | None, cpu_offload: Sequence[b
     flags = [check_bool("cpu_offload", flag) for flag in cpu_offload]
     layouts = [Sharding(degree, flag) for degree in shards for flag in flags]
     return sorted(set(layouts), key=lambda layout: (layout.active, layout.cpu_offload, layout.shards))
-
-
-def _format(nbytes: float) -> str:
-    return f"{nbytes / _GIB:.2f} GiB" if nbytes >= _GIB else f"{nbytes / 2**20:.2f} MiB"
 
 
 def _micro_batch_sizes(size: int) -> list[int | None]:

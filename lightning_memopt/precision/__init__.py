@@ -10,10 +10,6 @@ from lightning_memopt.precision.islands import (
 )
 from lightning_memopt.precision.plugin import SwitchablePrecision
 from lightning_memopt.precision.resolve import (
-    LADDER,
-    PRECISIONS,
-    PrecisionName,
-    PrecisionSetting,
     auto_precision,
     mantissa_bits,
     normalise_precision,
@@ -21,11 +17,12 @@ from lightning_memopt.precision.resolve import (
     supports_bf16,
 )
 from lightning_memopt.precision.schedule import INTERVALS, PrecisionSchedule, PrecisionScheduleSpec, ScheduleInterval
+from lightning_memopt.vocabulary import PRECISION_FALLBACK, PRECISIONS, PrecisionName, PrecisionSetting
 
 __all__ = [
     "INTERVALS",
-    "LADDER",
     "PRECISIONS",
+    "PRECISION_FALLBACK",
     "PrecisionName",
     "PrecisionSchedule",
     "PrecisionScheduleSpec",

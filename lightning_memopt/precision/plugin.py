@@ -24,7 +24,8 @@ from torch.optim import LBFGS
 from typing_extensions import override
 
 from lightning_memopt.arguments import check_bool, check_float, check_int
-from lightning_memopt.precision.resolve import AUTOCAST_DTYPES, LADDER, PRECISIONS, step_down, supports_bf16
+from lightning_memopt.precision.resolve import AUTOCAST_DTYPES, step_down, supports_bf16
+from lightning_memopt.vocabulary import PRECISION_FALLBACK, PRECISIONS
 
 
 class SwitchablePrecision(Precision):
@@ -84,7 +85,7 @@ class SwitchablePrecision(Precision):
     # ---------------------------------------------------------------- switching
     def allowed(self, precision: str) -> str:
         """``precision``, or the fail-safe's floor where that is safer."""
-        if self.floor is not None and LADDER.index(precision) < LADDER.index(self.floor):
+        if self.floor is not None and PRECISION_FALLBACK.index(precision) < PRECISION_FALLBACK.index(self.floor):
             return self.floor
         return precision
 

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
-# the precisions PrecisionSwitch moves between: all keep fp32 weights, so a switch needs no conversion
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
-PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed"]  # == PRECISIONS (tests/test_public_signatures.py)
-# Lightning's legacy spellings
-ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-PrecisionAlias = Literal["32", "16", "bf16"]  # == tuple(ALIASES)
-# what a precision argument takes: "auto" (chosen for the device), a name, an alias (32 and 16 as integers too)
-PrecisionSetting = Literal["auto", PrecisionName, PrecisionAlias] | Literal[32, 16]
-# precisions that store the weights themselves in a low-precision type: set on the Trainer instead
-WEIGHT_PRECISIONS = ("bf16-true", "16-true", "64-true", "64", "transformer-engine", "transformer-engine-float16")
-# the fail-safe steps down this ladder, left to right, skipping what the device cannot run
-LADDER = ("16-mixed", "bf16-mixed", "32-true")
+from lightning_memopt.vocabulary import (
+    PRECISION_ALIASES,
+    PRECISION_FALLBACK,
+    PRECISIONS,
+    WEIGHT_PRECISIONS,
+)
+
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -35,7 +29,7 @@ def normalise_precision(value: object, argument: str = "precision") -> str:
         ('16-mixed', 'bf16-mixed', '32-true')
     """
     text = str(value)
-    text = ALIASES.get(text, text)
+    text = PRECISION_ALIASES.get(text, text)
     if text in PRECISIONS:
         return text
     if text in WEIGHT_PRECISIONS:
@@ -94,7 +88,7 @@ def step_down(precision: str, device: torch.device, capability: tuple[int, int] 
         >>> step_down("16-mixed", torch.device("cuda"), capability=(7, 0)), step_down("32-true", torch.device("cpu"))
         ('32-true', None)
     """
-    for candidate in LADDER[LADDER.index(precision) + 1 :]:
+    for candidate in PRECISION_FALLBACK[PRECISION_FALLBACK.index(precision) + 1 :]:
         if candidate != "bf16-mixed" or supports_bf16(device, capability):
             return candidate
     return None

@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 from typing_extensions import NotRequired, TypedDict
 
-from lightning_memopt.precision.resolve import PrecisionSetting, normalise_precision
+from lightning_memopt.precision.resolve import normalise_precision
+from lightning_memopt.vocabulary import PrecisionSetting
 
 INTERVALS = ("step", "epoch")
 ScheduleInterval = Literal["step", "epoch"]  # == INTERVALS
