@@ -10,7 +10,6 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
 from lightning_memopt.arguments import check_bind_address, check_bool, check_int, check_optional_int, check_path
@@ -19,32 +18,18 @@ from lightning_memopt.memory.cuda_peak import reset_peak
 from lightning_memopt.memory.oom import is_oom_error
 from lightning_memopt.memory.report import format_report, write_timeline_chart
 from lightning_memopt.memory.tracker import MemoryTracker
+from lightning_memopt.private_api import (
+    cuda_memory_snapshot,
+    ends_optimizer_step,
+    logging_step,
+    record_cuda_memory_history,
+    tree_flatten,
+)
 from lightning_memopt.vocabulary import GB
 
 # the figures each kind of device has (Prometheus serves these, nothing else)
 CPU_FIGURES = ("peak_allocated_gb", "allocated_gb")
 CUDA_FIGURES = ("peak_allocated_gb", "allocated_gb", "reserved_gb", "active_gb", "fragmentation", "alloc_retries")
-
-
-# -- Lightning internals without a public API, in one place ---------------------------------------------------
-def logging_step(trainer: Trainer) -> int:
-    """The ``step`` Lightning gives the loggers for the training batch running now.
-
-    Lightning logs a training batch's ``self.log(...)`` values at ``fit_loop.epoch_loop._batches_that_stepped``,
-    the optimizer steps finished before this batch's (it grows after ``on_train_batch_end``): every micro-batch
-    of one accumulated step shares it. No public API gives it (``LearningRateMonitor`` reads it the same way);
-    ``trainer.global_step`` is already one further in ``on_train_batch_end`` and counts every optimizer.
-    """
-    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
-
-
-def ends_optimizer_step(trainer: Trainer, pl_module: LightningModule) -> bool:
-    """Whether the training batch running now finishes an optimizer step (not a micro-batch that accumulates).
-
-    Lightning's own ``_should_accumulate()`` (no public API), which also decides when the loggers get a
-    batch's values and when :func:`logging_step` grows; under manual optimization every batch is a step.
-    """
-    return not (pl_module.automatic_optimization and trainer.fit_loop.epoch_loop._should_accumulate())
 
 
 class MemoryMonitor(Callback):
@@ -157,7 +142,7 @@ class MemoryMonitor(Callback):
         self._step, self._sampled_step, self._sampled_first, self._sampling = None, -1, False, False
         self._warned_compiled = False
         if self._device.type == "cuda" and self.record_cuda_history:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            record_cuda_memory_history(True)
         if self.prometheus_port is not None:
             self._start_prometheus(trainer)
 
@@ -172,7 +157,7 @@ class MemoryMonitor(Callback):
         self._sampling = False
         self._stop_prometheus()
         if self._device.type == "cuda" and self.record_cuda_history:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            record_cuda_memory_history(False)
 
     def _pause_tracking(self) -> None:
         if self.tracker is not None and self.tracker.active:
@@ -369,7 +354,7 @@ class MemoryMonitor(Callback):
         if device.type == "cuda":
             snapshot_path = directory / "oom_snapshot.pickle"
             with snapshot_path.open("wb") as f:
-                pickle.dump(torch.cuda.memory._snapshot(device), f)
+                pickle.dump(cuda_memory_snapshot(device), f)
             report_path = directory / "oom_report.txt"
             report_path.write_text(f"{title}\n\n{torch.cuda.memory_summary(device)}\n")
             return [snapshot_path, report_path]

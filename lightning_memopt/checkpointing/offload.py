@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lightning_memopt.memory.tracker import host_memory
+from lightning_memopt.private_api import storage_base
 
 
 class OffloadedTensor(NamedTuple):
@@ -18,8 +19,7 @@ class OffloadedTensor(NamedTuple):
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:
-    base = tensor._base if tensor._base is not None else tensor
-    return isinstance(base, nn.Parameter)
+    return isinstance(storage_base(tensor), nn.Parameter)
 
 
 def _pack(tensor: torch.Tensor) -> torch.Tensor | OffloadedTensor:

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memopt.checkpointing.offload import offload_to_host
 from lightning_memopt.checkpointing.policy import Policy, PolicySpec, parse_policy
 from lightning_memopt.checkpointing.selective import selective_context
+from lightning_memopt.private_api import is_batch_norm
 from lightning_memopt.selection import describe_model
 
 log = logging.getLogger(__name__)
@@ -212,9 +212,7 @@ class _RecomputeOnScratchNormStats:
     def __init__(self, forward: Callable[..., Any], module: nn.Module) -> None:
         self.forward = forward
         self.norms = [
-            norm
-            for norm in module.modules()
-            if isinstance(norm, _BatchNorm) and norm.training and norm.track_running_stats
+            norm for norm in module.modules() if is_batch_norm(norm) and norm.training and norm.track_running_stats
         ]
         self.scratch = [
             {name: buffer.clone() for name, buffer in norm.named_buffers(recurse=False)} for norm in self.norms

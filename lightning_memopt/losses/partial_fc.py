@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import is_fake
 
 from lightning_memopt.losses.margin import CombinedMarginLoss, Reduction
 from lightning_memopt.models.structure import MemoryStructure
+from lightning_memopt.private_api import is_fake
 
 
 class PartialFC(nn.Module):

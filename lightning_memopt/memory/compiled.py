@@ -7,10 +7,10 @@ ask this first.
 
 from __future__ import annotations
 
-import sys
-
 import torch  # noqa: F401  (the example compiles)
 from torch import nn
+
+from lightning_memopt.private_api import function_compiled, module_compiled, optimized_module_class
 
 
 def compiled_parts(module: nn.Module) -> list[str]:
@@ -31,9 +31,7 @@ def compiled_parts(module: nn.Module) -> list[str]:
     """
     found: list[str] = []
     inside_compiled: list[str] = []
-    # nothing is compiled before torch.compile imports dynamo (and importing it here would cost a second)
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    optimized_module = getattr(eval_frame, "OptimizedModule", None)
+    optimized_module = optimized_module_class()
     for name, submodule in module.named_modules():
         if any(name.startswith(prefix) for prefix in inside_compiled):
             continue  # the module a compiled wrapper holds runs compiled too: named once
@@ -42,10 +40,10 @@ def compiled_parts(module: nn.Module) -> list[str]:
             found.append(f"{label} (torch.compile'd module)")
             inside_compiled.append(f"{name}." if name else "")
             continue
-        if getattr(submodule, "_compiled_call_impl", None) is not None:
+        if module_compiled(submodule):
             found.append(f"{label} (Module.compile())")
             continue
         for method in ("forward", "training_step"):
-            if hasattr(getattr(submodule, method, None), "_torchdynamo_orig_callable"):
+            if function_compiled(getattr(submodule, method, None)):
                 found.append(f"{label}.{method} (torch.compile)")
     return found

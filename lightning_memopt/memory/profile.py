@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
 
 from lightning_memopt.memory.tracker import (
     CATEGORIES,
@@ -22,6 +20,7 @@ from lightning_memopt.memory.tracker import (
     MemoryTracker,
 )
 from lightning_memopt.memory.work import Work, WorkCounter, sum_work
+from lightning_memopt.private_api import FakeTensorMode, tree_map
 from lightning_memopt.vocabulary import GIB, PROFILE_PRECISIONS
 
 MODES = ("real", "fake")
@@ -333,8 +332,11 @@ def _lightning_optimizer(module: Any) -> torch.optim.Optimizer:
     """The (first) optimizer of a LightningModule's ``configure_optimizers``, outside any fit."""
     from lightning.pytorch import Trainer
 
-    previous = module._trainer
-    module._trainer = Trainer(
+    try:
+        previous = module.trainer
+    except RuntimeError:  # (not attached to a Trainer)
+        previous = None
+    module.trainer = Trainer(
         accelerator="cpu",
         max_epochs=-1,
         max_steps=1000,
@@ -346,7 +348,7 @@ def _lightning_optimizer(module: Any) -> torch.optim.Optimizer:
     try:
         config = module.configure_optimizers()
     finally:
-        module._trainer = previous
+        module.trainer = previous
     while isinstance(config, list | tuple):
         config = config[0]
     if isinstance(config, dict):

@@ -5,121 +5,51 @@ still has a size), so the same accounting measures a CPU step, a CUDA step, or a
 never run. Storages are counted once (views share them) and leave the count when they die.
 Storages made inside :func:`host_memory` (activations offloaded to the host) are counted apart,
 as ``host_bytes``: they are not device memory.
+
+Over 300 lines because counting, labelling and the peaks share one record table under one lock;
+what is counted lives in ``records.py``, who made it in ``attribution.py``.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
-PHASES = ("setup", "forward", "backward", "optimizer")
-_CATEGORY_OF_PHASE = {
-    "setup": "temporaries",
-    "forward": "activations",
-    "backward": "temporaries",
-    "optimizer": "temporaries",
-}
+from lightning_memopt.memory.attribution import ModuleAttribution
+from lightning_memopt.memory.records import (
+    CATEGORIES,
+    CATEGORY_OF_PHASE,
+    GATHERED_PARAMETERS,
+    PARAMETER_CAST,
+    PHASES,
+    BlockAccount,
+    MemorySnapshot,
+    StorageRecord,
+    allocating_on_host,
+    host_memory,
+    storages,
+)
+from lightning_memopt.private_api import CAST_OP, TorchDispatchMode, tree_flatten
 
-
-# the op of a storage that holds a parameter cast to another dtype (autocast's weight copies); an FSDP unit
-# gathered in the compute dtype needs none
-PARAMETER_CAST = "parameter cast"
-# the op of a storage grown back in place (FSDP's gathered parameters, allocated again for each gather)
-GATHERED_PARAMETERS = "gathered parameters"
-_HOST_ALLOCATION = threading.local()
-
-
-@contextmanager
-def host_memory() -> Iterator[None]:
-    """Storages made inside the block are host memory: a tracker counts them in ``host_bytes``, not ``live_bytes``.
-
-    Example::
-
-        >>> tracker = MemoryTracker()
-        >>> with tracker:
-        ...     device = torch.ones(256)
-        ...     with host_memory():
-        ...         host = torch.ones(512)
-        >>> tracker.live_bytes, tracker.host_bytes, tracker.peak_host_bytes
-        (1024, 2048, 2048)
-    """
-    previous = getattr(_HOST_ALLOCATION, "active", False)
-    _HOST_ALLOCATION.active = True
-    try:
-        yield
-    finally:
-        _HOST_ALLOCATION.active = previous
-
-
-def allocating_on_host() -> bool:
-    """Whether the running code is inside :func:`host_memory` (an offload copy, not device work)."""
-    return bool(getattr(_HOST_ALLOCATION, "active", False))
-
-
-@dataclass
-class StorageRecord:
-    """One live storage: its size, what it is, and where it was made."""
-
-    nbytes: int
-    category: str
-    module: str
-    op: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    block: str = ""  # the innermost block (see MemoryTracker.track_blocks) whose forward made it
-
-
-@dataclass
-class BlockAccount:
-    """What one block's forward left alive for the backward pass, by the op that made it (outputs excluded)."""
-
-    saved_bytes: int = 0
-    by_op: dict[str, int] = field(default_factory=dict)
-    calls: int = 0  # forward calls of the block in the step
-    output_bytes: int = 0  # its outputs still alive (the next block saves them: offloading it moves them too)
-
-    def bytes_made_by(self, ops: Iterable[str]) -> int:
-        """The saved bytes that the named ops made (e.g. the matmuls selective checkpointing keeps)."""
-        return sum(self.by_op.get(op, 0) for op in ops)
-
-
-@dataclass
-class MemorySnapshot:
-    """The live storages at one moment (the peak), with their totals."""
-
-    total_bytes: int = 0
-    phase: str = "setup"
-    records: list[StorageRecord] = field(default_factory=list)
-
-    def by_category(self) -> dict[str, int]:
-        """Bytes per category, every category present (zeros included)."""
-        totals = dict.fromkeys(CATEGORIES, 0)
-        for record in self.records:
-            totals[record.category] += record.nbytes
-        return totals
-
-    def activations_by_module(self) -> dict[str, int]:
-        """Activation bytes per top-level module, largest first."""
-        totals: dict[str, int] = defaultdict(int)
-        for record in self.records:
-            if record.category == "activations":
-                totals[record.module or "<root>"] += record.nbytes
-        return dict(sorted(totals.items(), key=lambda item: -item[1]))
-
-    def largest(self, count: int = 10) -> list[StorageRecord]:
-        """The ``count`` largest storages."""
-        return sorted(self.records, key=lambda record: -record.nbytes)[:count]
+__all__ = [  # (the records are re-exported: what a tracker returns)
+    "CATEGORIES",
+    "GATHERED_PARAMETERS",
+    "PARAMETER_CAST",
+    "PHASES",
+    "BlockAccount",
+    "MemorySnapshot",
+    "MemoryTracker",
+    "StorageRecord",
+    "allocating_on_host",
+    "host_memory",
+]
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -174,11 +104,7 @@ class MemoryTracker(TorchDispatchMode):
         self._pending: list[MemorySnapshot] = []  # peaks whose records are still exactly the live ones
         self.timeline: list[tuple[int, int, str]] | None = [] if record_timeline else None
         self._records: dict[int, StorageRecord] = {}
-        self._module_stack: list[str] = []
-        self._block_stack: list[str] = []
-        self._block_outputs: dict[str, set[int]] = {}  # block -> storage keys of its latest outputs
-        self._block_calls: dict[str, int] = {}
-        self._hooks: list[Any] = []
+        self.attribution = ModuleAttribution()
         self._lock = threading.RLock()
         self._events = 0
         self.active = False  # the dispatch mode is entered (counting)
@@ -190,7 +116,7 @@ class MemoryTracker(TorchDispatchMode):
     def _add(self, tensor: torch.Tensor, category: str, op: str, host: bool = False) -> bool:
         """Count the storages of ``tensor`` not counted yet; whether it had any."""
         added = False
-        for storage, local in _storages(tensor):
+        for storage, local in storages(tensor):
             key = id(storage)
             if host or allocating_on_host():
                 added |= self._add_host(
@@ -202,7 +128,13 @@ class MemoryTracker(TorchDispatchMode):
                     continue
                 nbytes = self._rounded(storage.nbytes())
                 record = StorageRecord(
-                    nbytes, category, self._current_module(), op, tuple(local.shape), local.dtype, self.current_block
+                    nbytes,
+                    category,
+                    self.attribution.current_module,
+                    op,
+                    tuple(local.shape),
+                    local.dtype,
+                    self.current_block,
                 )
                 self._grow(nbytes, record)
                 self._records[key] = record
@@ -330,7 +262,7 @@ class MemoryTracker(TorchDispatchMode):
         with self._lock:
             for tensor in tensors:
                 if isinstance(tensor, torch.Tensor):
-                    for storage, _ in _storages(tensor):
+                    for storage, _ in storages(tensor):
                         record = self._records.get(id(storage))
                         if record is not None:
                             was, now = record.category == "gradients", category == "gradients"
@@ -341,16 +273,14 @@ class MemoryTracker(TorchDispatchMode):
 
     def on_host(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s storages are counted as host memory."""
-        return any(id(storage) in self._host_records for storage, _ in _storages(tensor))
+        return any(id(storage) in self._host_records for storage, _ in storages(tensor))
 
     def track_module(self, module: nn.Module) -> None:
         """Count ``module``'s parameters, buffers and gradients; attribute new storages to its top-level children."""
         self.track(module.parameters(), "parameters", op="parameter")
         self.track(module.buffers(), "parameters", op="buffer")
         self.track((p.grad for p in module.parameters()), "gradients", op="gradient")
-        for name, child in module.named_children():
-            self._hooks.append(child.register_forward_pre_hook(self._enter_module(name)))
-            self._hooks.append(child.register_forward_hook(self._leave_module))
+        self.attribution.track_children(module)
 
     def track_training_state(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], batch: Any) -> None:
         """Count what a training step starts with: ``module`` (as :meth:`track_module`), optimizer state, batch."""
@@ -414,37 +344,17 @@ class MemoryTracker(TorchDispatchMode):
         :meth:`block_accounts` then tells what each block's forward left alive for the backward
         pass: what checkpointing that block would free.
         """
-        modules = dict(model.named_modules())
-        for name in names:
-            module = modules[name]
-            self._hooks.append(module.register_forward_pre_hook(self._enter_block(name)))
-            self._hooks.append(module.register_forward_hook(self._leave_block(name)))
-
-    def _enter_block(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
-            self._block_stack.append(name)
-            self._block_calls[name] = self._block_calls.get(name, 0) + 1
-
-        return hook
-
-    def _leave_block(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._block_stack:
-                self._block_stack.pop()
-            outputs = (t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor))
-            self._block_outputs[name] = {id(storage) for t in outputs for storage, _ in _storages(t)}
-
-        return hook
+        self.attribution.track_blocks(model, names)
 
     def block_accounts(self) -> dict[str, BlockAccount]:
         """Live activation bytes per tracked block, outputs excluded (call it between forward and backward)."""
-        accounts = {name: BlockAccount(calls=calls) for name, calls in self._block_calls.items()}
+        accounts = {name: BlockAccount(calls=calls) for name, calls in self.attribution.calls.items()}
         with self._lock:
             for key, record in self._records.items():
                 if not record.block or record.category != "activations":
                     continue
                 account = accounts[record.block]  # its pre-hook counted the call that made the record
-                if key in self._block_outputs.get(record.block, ()):
+                if key in self.attribution.outputs.get(record.block, ()):
                     account.output_bytes += record.nbytes
                     continue
                 account.saved_bytes += record.nbytes
@@ -454,26 +364,11 @@ class MemoryTracker(TorchDispatchMode):
     @property
     def current_block(self) -> str:
         """The innermost tracked block running now, or ``""``."""
-        return self._block_stack[-1] if self._block_stack else ""
-
-    def _enter_module(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
-            self._module_stack.append(name)
-
-        return hook
-
-    def _leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._module_stack:
-            self._module_stack.pop()
-
-    def _current_module(self) -> str:
-        return self._module_stack[0] if self._module_stack else ""
+        return self.attribution.current_block
 
     def remove_hooks(self) -> None:
-        """Detach the module hooks added by :meth:`track_module`."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        """Detach the module hooks added by :meth:`track_module`, :meth:`track_blocks` and others."""
+        self.attribution.remove_hooks()
 
     # -- phases and peaks --------------------------------------------------------------------
     @contextmanager
@@ -518,7 +413,7 @@ class MemoryTracker(TorchDispatchMode):
         for parameter in module.parameters():
             if parameter.requires_grad:
                 hook = parameter.register_post_accumulate_grad_hook(lambda p: self.relabel([p.grad], "gradients"))
-                self._hooks.append(hook)
+                self.attribution.hooks.append(hook)
 
     def host_breakdown(self) -> dict[str, int]:
         """Host bytes live now, per category."""
@@ -559,9 +454,9 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func is _DEVICE_QUERY:
             return out
-        category = _CATEGORY_OF_PHASE[self.phase]
+        category = CATEGORY_OF_PHASE[self.phase]
         op = str(func.overloadpacket.__name__)
-        if func is _CAST and self._is_parameter(args[0]):
+        if func is CAST_OP and self._is_parameter(args[0]):
             op = PARAMETER_CAST
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
@@ -571,13 +466,12 @@ class MemoryTracker(TorchDispatchMode):
     def _is_parameter(self, tensor: Any) -> bool:
         if not isinstance(tensor, torch.Tensor):
             return False
-        records = (self._records.get(id(storage)) for storage, _ in _storages(tensor))
+        records = (self._records.get(id(storage)) for storage, _ in storages(tensor))
         return any(record is not None and record.category == "parameters" for record in records)
 
 
 # `tensor.device` of a fake tensor reaches the modes as this op (autocast and autograd ask often): no storage
 _DEVICE_QUERY = torch.ops.prim.device.default
-_CAST = torch.ops.aten._to_copy.default
 # the trackers inside their `with` block: told of every in-place storage resize
 _RESIZE_WATCHERS: list[MemoryTracker] = []
 _TORCH_RESIZE = torch.UntypedStorage.resize_
@@ -589,17 +483,6 @@ def _counted_resize(storage: torch.UntypedStorage, size: int) -> torch.UntypedSt
     for tracker in _RESIZE_WATCHERS:
         tracker._resized(storage)
     return result
-
-
-def _storages(tensor: torch.Tensor) -> Iterator[tuple[torch.UntypedStorage, torch.Tensor]]:
-    """The storages a tensor holds, each with the (local) tensor viewing it: a wrapper subclass's are its inner ones."""
-    if is_traceable_wrapper_subclass(tensor):
-        attributes, _ = tensor.__tensor_flatten__()  # DTensor: its local shard
-        for inner in (getattr(tensor, name) for name in attributes):
-            if isinstance(inner, torch.Tensor):
-                yield from _storages(inner)
-    else:
-        yield tensor.untyped_storage(), tensor
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

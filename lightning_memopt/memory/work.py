@@ -14,11 +14,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from lightning_memopt.memory.tracker import allocating_on_host
+from lightning_memopt.private_api import CPU_FLASH_ATTENTION_OPS, TorchDispatchMode, tree_flatten
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _NOT_KERNELS = frozenset({"detach", "alias", "lift_fresh", "_to_copy_noop"})
@@ -67,10 +66,10 @@ def _cpu_attention_backward_flops(
 
 def _formulas() -> dict[Any, Callable[..., int]]:
     formulas: dict[Any, Callable[..., int]] = dict(flop_registry)
-    aten = torch.ops.aten
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        formulas[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_attention_flops
-        formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_attention_backward_flops
+    if CPU_FLASH_ATTENTION_OPS is not None:
+        forward, backward = CPU_FLASH_ATTENTION_OPS
+        formulas[forward] = _cpu_attention_flops
+        formulas[backward] = _cpu_attention_backward_flops
     return formulas
 
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from lightning_memopt.models.structure import model_structure
+from lightning_memopt.private_api import tree_map
 from lightning_memopt.selection import ModuleSpec, describe_model, normalise_specs, select_modules
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")

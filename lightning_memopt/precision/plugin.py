@@ -16,7 +16,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_info
@@ -25,6 +24,7 @@ from typing_extensions import override
 
 from lightning_memopt.arguments import check_bool, check_float, check_int
 from lightning_memopt.precision.resolve import AUTOCAST_DTYPES, step_down, supports_bf16
+from lightning_memopt.private_api import copy_tensors, optimizer_handles_unscaling
 from lightning_memopt.vocabulary import PRECISION_FALLBACK, PRECISIONS
 
 
@@ -152,7 +152,7 @@ class SwitchablePrecision(Precision):
             self._after_closure(model, optimizer)
             self._buffer_snapshot = None
             return None
-        if self.scaler is not None and not _optimizer_handles_unscaling(optimizer):
+        if self.scaler is not None and not optimizer_handles_unscaling(optimizer):
             self.scaler.unscale_(optimizer)
         loss_bad, grads_bad = self._nonfinite(model, optimizer, closure_result) if self.fail_safe else (False, False)
         self._after_closure(model, optimizer)
@@ -193,7 +193,7 @@ class SwitchablePrecision(Precision):
             self.scaler.update()  # counts the overflow recorded by unscale_: the scale backs off
         optimizer.zero_grad(set_to_none=True)
         if self._buffer_snapshot is not None and self._buffer_snapshot[0]:
-            torch._foreach_copy_(*self._buffer_snapshot)
+            copy_tensors(*self._buffer_snapshot)
         self.skipped_steps += 1
 
     def _after_step(self, model: pl.LightningModule, loss_bad: bool, grads_bad: bool) -> None:
@@ -221,7 +221,7 @@ class SwitchablePrecision(Precision):
     # ---------------------------------------------------------------- clipping and state
     @override
     def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0, gradient_clip_algorithm: Any = None) -> None:
-        if clip_val > 0 and self.scaler is not None and _optimizer_handles_unscaling(optimizer):
+        if clip_val > 0 and self.scaler is not None and optimizer_handles_unscaling(optimizer):
             raise RuntimeError(
                 f"{type(optimizer).__qualname__} unscales gradients inside its step, so they cannot be clipped in "
                 "16-mixed; use an optimizer without `fused=True`"

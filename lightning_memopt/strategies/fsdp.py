@@ -9,8 +9,6 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -20,6 +18,7 @@ from typing_extensions import override
 
 from lightning_memopt.arguments import check_bool
 from lightning_memopt.checkpointing.policy import BlocksSpec, check_blocks
+from lightning_memopt.private_api import materialize_distributed_module, optimizers_to_device
 from lightning_memopt.strategies.sharding import ShardingError, shard_model
 
 PARAM_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -168,14 +167,14 @@ class MemoptFSDPStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: parameters stored in bf16
         self._shard()
-        _materialize_distributed_module(self.model, self.root_device)  # (a model built on the meta device)
+        materialize_distributed_module(self.model, self.root_device)  # (a model built on the meta device)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _shard(self) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
+from lightning_memopt.private_api import powersgd_compresses
+
 _COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compression")
 
 
@@ -118,7 +120,7 @@ class ResumablePowerSGD:
             rows = shape[0] if shape else 1
             columns = _numel(shape) // max(rows, 1)
             rank = min(rows, columns, self.state.matrix_approximation_rank)
-            if powersgd._should_compress(rows, columns, rank, self.state.min_compression_rate)[0]:
+            if powersgd_compresses(rows, columns, rank, self.state.min_compression_rate):
                 groups.setdefault((rows, columns), []).append((index, rows * rank, columns * rank))
         return [entry for group in groups.values() for entry in group]
 

@@ -93,7 +93,11 @@ def clip_sharded_root(module: Any, max_norm: float) -> bool:
     Returns:
         Whether ``module`` runs under such a root (and was clipped); False leaves clipping to the caller.
     """
-    sharded_root = getattr(getattr(module._trainer, "strategy", None), "model", None)
+    try:
+        trainer = module.trainer
+    except RuntimeError:  # not attached to a Trainer
+        return False
+    sharded_root = getattr(getattr(trainer, "strategy", None), "model", None)
     clip = getattr(sharded_root, "clip_grad_norm_", None)
     if not callable(clip):
         return False

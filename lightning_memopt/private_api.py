@@ -1,0 +1,247 @@
+"""Every private Lightning and torch API the project uses, in one place, each with the public API that is missing.
+
+When a release of Lightning or torch moves one of these, this module is where it breaks and the
+only one to mend: the rest of the package imports the names below. Each entry says what it reads
+and which public API would replace it. Lightning is imported inside the functions that need it,
+so that ``memory/`` (which runs without Lightning) can import this module.
+
+Not here, because they are not uses but overrides: ``MemoptDDPStrategy._setup_model`` and
+``MemoptFSDPStrategy._get_process_group_backend`` extend the strategy methods Lightning's own
+subclasses extend, and ``FaceVerification._sync_dist`` the hook torchmetrics documents for
+custom state syncing; each calls ``super()``.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_memopt.private_api import is_batch_norm, tree_flatten
+    >>> is_batch_norm(torch.nn.BatchNorm2d(3)), len(tree_flatten({"a": torch.zeros(1), "b": [1, 2]})[0])
+    (True, 3)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+# -- torch: fake tensors -------------------------------------------------------------------------------------
+# missing: a public FakeTensorMode (torch.export and torch.compile use it internally); the planner profiles a
+# step in it to predict a GPU's memory on the CPU
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+# -- torch: dispatch modes and pytrees ---------------------------------------------------------------------
+# missing: a public module for TorchDispatchMode (documented in the "extending PyTorch" notes, imported from
+# torch.utils._python_dispatch there too) and a public pytree module (torch.utils.pytree is not in torch 2.13)
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = [
+    "CAST_OP",
+    "CPU_FLASH_ATTENTION_OPS",
+    "FakeTensorMode",
+    "TorchDispatchMode",
+    "abort_process_groups",
+    "copy_tensors",
+    "cuda_memory_snapshot",
+    "disable_current_modes",
+    "ends_optimizer_step",
+    "function_compiled",
+    "is_batch_norm",
+    "is_fake",
+    "is_traceable_wrapper_subclass",
+    "logging_step",
+    "materialize_distributed_module",
+    "module_compiled",
+    "optimized_module_class",
+    "optimizer_handles_unscaling",
+    "optimizers_to_device",
+    "powersgd_compresses",
+    "point_logging_at",
+    "record_cuda_memory_history",
+    "storage_base",
+    "training_dataloader",
+    "tree_flatten",
+    "tree_map",
+]
+
+# -- torch: operators a dispatch mode recognises ----------------------------------------------------------------
+# missing: public aliases; a dispatch mode sees these overloads by identity (a dtype cast of a parameter, and the
+# CPU's fused attention, whose work the FLOP counter must know)
+CAST_OP = torch.ops.aten._to_copy.default
+_ATEN = torch.ops.aten
+CPU_FLASH_ATTENTION_OPS = (  # (forward, backward), or None in a build without them
+    (_ATEN._scaled_dot_product_flash_attention_for_cpu, _ATEN._scaled_dot_product_flash_attention_for_cpu_backward)
+    if hasattr(_ATEN, "_scaled_dot_product_flash_attention_for_cpu")
+    else None
+)
+
+
+# -- torch: tensors and modules ---------------------------------------------------------------------------------
+def storage_base(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``tensor`` views (itself when it is no view).
+
+    missing: a public ``Tensor.base`` (``_base`` is what ``Tensor.is_view`` would need to name the viewed tensor).
+    """
+    return tensor._base if tensor._base is not None else tensor
+
+
+def is_batch_norm(module: nn.Module) -> bool:
+    """Whether ``module`` normalises by batch statistics: every BatchNorm, SyncBatchNorm and LazyBatchNorm.
+
+    missing: a public base class; ``nn.modules.batchnorm._BatchNorm`` is the one they all share.
+    """
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def copy_tensors(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each source into its target in one fused call.
+
+    missing: a public foreach API (``torch._foreach_*`` are what the optimizers' ``foreach`` paths call).
+    """
+    torch._foreach_copy_(targets, sources)
+
+
+def abort_process_groups() -> None:
+    """Abort this rank's process groups, so the other ranks' pending collectives fail now, not at their timeout.
+
+    missing: a public abort; ``destroy_process_group()`` flushes pending NCCL collectives first, which waits
+    for the ones the other ranks never join.
+    """
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    if torch.distributed.is_initialized():
+        _abort_process_group()
+
+
+def powersgd_compresses(rows: int, columns: int, rank: int, min_compression_rate: float) -> bool:
+    """Whether torch's PowerSGD hook compresses a ``rows`` × ``columns`` matrix at ``rank`` (else all-reduces it).
+
+    missing: the hook's own test is private; the checkpointed PowerSGD state must place its P / Q buffers
+    exactly as the hook does.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    return bool(powerSGD_hook._should_compress(rows, columns, rank, min_compression_rate)[0])
+
+
+def record_cuda_memory_history(enabled: bool, max_entries: int = 100_000) -> None:
+    """Start (or stop) the CUDA allocator's history, what an OOM snapshot shows.
+
+    missing: a public name; ``torch.cuda.memory._record_memory_history`` is the API the PyTorch memory
+    snapshot guide documents.
+    """
+    if enabled:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def cuda_memory_snapshot(device: torch.device) -> Any:
+    """The allocator's snapshot (with its history), for https://pytorch.org/memory_viz.
+
+    missing: a public name; ``torch.cuda.memory._snapshot`` is the API the memory snapshot guide documents.
+    """
+    return torch.cuda.memory._snapshot(device)
+
+
+# -- torch: what torch.compile left on a module ------------------------------------------------------------------
+def optimized_module_class() -> type | None:
+    """``torch.compile``'s module wrapper class, or ``None`` when nothing has been compiled in this process.
+
+    missing: a public ``torch.compiler.is_compiled(module)``; ``OptimizedModule`` lives in ``torch._dynamo``,
+    read from ``sys.modules`` because importing dynamo costs a second and nothing is compiled before it is.
+    """
+    return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+
+
+def module_compiled(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` compiled ``module`` in place (the call implementation it swaps in).
+
+    missing: a public flag for ``nn.Module.compile()``.
+    """
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def function_compiled(function: Callable[..., Any] | None) -> bool:
+    """Whether ``function`` is a ``torch.compile``'d function (dynamo's wrapper keeps the original).
+
+    missing: a public ``torch.compiler`` test for a compiled function.
+    """
+    return hasattr(function, "_torchdynamo_orig_callable")
+
+
+# -- Lightning ------------------------------------------------------------------------------------------------
+def logging_step(trainer: Any) -> int:
+    """The ``step`` Lightning gives the loggers for the training batch running now.
+
+    It counts the optimizer steps finished before this batch's (it grows after ``on_train_batch_end``), so
+    every micro-batch of one accumulated step shares it.
+    missing: a public counter (``LearningRateMonitor`` reads it the same way); ``trainer.global_step`` is
+    already one further in ``on_train_batch_end`` and counts every optimizer under manual optimization.
+    """
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def ends_optimizer_step(trainer: Any, pl_module: Any) -> bool:
+    """Whether the training batch running now finishes an optimizer step (not a micro-batch that accumulates).
+
+    It also decides when the loggers get a batch's values and when :func:`logging_step` grows; under manual
+    optimization every batch is a step.
+    missing: a public "last batch of the window" flag; ``fit_loop.epoch_loop._should_accumulate()`` is what
+    Lightning's loop itself asks.
+    """
+    return not (pl_module.automatic_optimization and trainer.fit_loop.epoch_loop._should_accumulate())
+
+
+def training_dataloader(trainer: Any) -> Iterable[Any]:
+    """The training loader from wherever ``fit()`` got it (a datamodule, the module, fit's arguments), in ``setup``.
+
+    missing: ``Trainer.train_dataloader`` is set only after the ``setup`` hooks; ``fit_loop._data_source`` is
+    where the loop will take it from.
+    """
+    return trainer.fit_loop._data_source.dataloader()
+
+
+def point_logging_at(trainer: Any, batch: Any) -> None:
+    """Make ``self.log`` weigh its ``on_epoch`` means by ``batch``'s size (a micro-batch of the step's batch).
+
+    missing: a public way to run one step hook on several pieces of a batch; Lightning reads the batch size
+    from ``trainer._results.batch``, which it sets once per step.
+    """
+    results = getattr(trainer, "_results", None)
+    if results is not None:
+        results.batch, results.batch_size = batch, None
+
+
+def optimizer_handles_unscaling(optimizer: Any) -> bool:
+    """Whether ``optimizer`` unscales fp16 gradients itself (fused optimizers), so the scaler must not.
+
+    missing: a public test; Lightning's own AMP plugin asks ``lightning.fabric``'s private helper.
+    """
+    from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+
+    return bool(_optimizer_handles_unscaling(optimizer))
+
+
+def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:
+    """Allocate and initialise the parameters of ``module`` built on the meta device, after sharding.
+
+    missing: a public helper; Lightning's FSDP strategy calls the same one in its own ``setup``.
+    """
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    _materialize_distributed_module(module, device)
+
+
+def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
+    """Move the optimizers' state to ``device`` (restored optimizer state is loaded on the CPU).
+
+    missing: a public helper; Lightning's strategies call the same one.
+    """
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
