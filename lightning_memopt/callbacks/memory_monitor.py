@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -14,22 +13,11 @@ from typing_extensions import override
 
 from lightning_memopt.arguments import check_bind_address, check_bool, check_int, check_optional_int, check_path
 from lightning_memopt.memory.compiled import compiled_parts
-from lightning_memopt.memory.cuda_peak import reset_peak
+from lightning_memopt.memory.figures import CPU_FIGURES, CUDA_FIGURES, cuda_figures, tracker_figures, write_oom_files
 from lightning_memopt.memory.oom import is_oom_error
-from lightning_memopt.memory.report import format_report, write_timeline_chart
+from lightning_memopt.memory.prometheus import PrometheusGauges
 from lightning_memopt.memory.tracker import MemoryTracker
-from lightning_memopt.private_api import (
-    cuda_memory_snapshot,
-    ends_optimizer_step,
-    logging_step,
-    record_cuda_memory_history,
-    tree_flatten,
-)
-from lightning_memopt.vocabulary import GB
-
-# the figures each kind of device has (Prometheus serves these, nothing else)
-CPU_FIGURES = ("peak_allocated_gb", "allocated_gb")
-CUDA_FIGURES = ("peak_allocated_gb", "allocated_gb", "reserved_gb", "active_gb", "fragmentation", "alloc_retries")
+from lightning_memopt.private_api import ends_optimizer_step, logging_step, record_cuda_memory_history, tree_flatten
 
 
 class MemoryMonitor(Callback):
@@ -115,9 +103,7 @@ class MemoryMonitor(Callback):
                     "pip install 'lightning-memopt[prometheus]'"
                 ) from None
         self.tracker: MemoryTracker | None = None
-        self._gauges: dict[str, Any] = {}
-        self._registry: Any = None
-        self._server: Any = None  # (server, thread) of the Prometheus endpoint
+        self._gauges: PrometheusGauges | None = None
         self._device = torch.device("cpu")
         self._step: int | None = None  # the logging step of the optimizer step running now
         self._sampled_step = -1
@@ -245,24 +231,9 @@ class MemoryMonitor(Callback):
     def read(self, device: torch.device) -> dict[str, float]:
         """The figures of the sampled step on ``device`` (the CUDA peak is reset afterwards)."""
         if device.type == "cuda":
-            stats = torch.cuda.memory_stats(device)
-            allocated = stats.get("allocated_bytes.all.current", 0)
-            reserved = stats.get("reserved_bytes.all.current", 0)
-            figures = {
-                "peak_allocated_gb": stats.get("allocated_bytes.all.peak", 0) / GB,
-                "allocated_gb": allocated / GB,
-                "reserved_gb": reserved / GB,
-                "active_gb": stats.get("active_bytes.all.current", 0) / GB,
-                "fragmentation": 1.0 - allocated / reserved if reserved else 0.0,
-                "alloc_retries": float(stats.get("num_alloc_retries", 0)),
-            }
-            reset_peak(device)  # the fit's peak is kept for TrainingSummary
-            return figures
+            return cuda_figures(device)
         assert self.tracker is not None
-        return {
-            "peak_allocated_gb": self.tracker.peak.total_bytes / GB,
-            "allocated_gb": self.tracker.live_bytes / GB,
-        }
+        return tracker_figures(self.tracker)
 
     def _log(self, trainer: Trainer, pl_module: LightningModule, figures: dict[str, float], step: int) -> None:
         names = list(figures)
@@ -287,53 +258,29 @@ class MemoryMonitor(Callback):
         pl_module.log(headline, logged[headline], on_step=True, on_epoch=False, logger=False, prog_bar=self.prog_bar)
         others = {key: value for key, value in logged.items() if key != headline}
         pl_module.log_dict(others, on_step=True, on_epoch=False, logger=False)
-        self._set_gauges(figures)
+        if self._gauges is not None:
+            self._gauges.set(figures)
 
     # -- Prometheus ----------------------------------------------------------------------------
     def _start_prometheus(self, trainer: Trainer) -> None:
-        import prometheus_client
-
         assert self.prometheus_port is not None
         self._stop_prometheus()  # a fit that ended without teardown (interrupted) left it open
         port = self.prometheus_port + trainer.local_rank
         names = CUDA_FIGURES if self._device.type == "cuda" else CPU_FIGURES
-        self._registry = prometheus_client.CollectorRegistry()
-        # a gauge appears with the first sample: before it, none (rather than a 0 that was never measured)
-        self._gauges = {name: None for name in names}
         try:
-            server = prometheus_client.start_http_server(port, addr=self.prometheus_address, registry=self._registry)
+            self._gauges = PrometheusGauges(names, self.prometheus_address, port)
         except OSError as error:
             raise OSError(
                 f"MemoryMonitor: cannot serve the Prometheus gauges on {self.prometheus_address}:{port} "
                 f"(`prometheus_address`, `prometheus_port` {self.prometheus_port} + local rank "
                 f"{trainer.local_rank}): {error}"
             ) from error
-        # prometheus_client ≥ 0.17 returns (server, thread); older ones nothing, and their server stays up
-        self._server = server if isinstance(server, tuple) else None
-        host = f"[{self.prometheus_address}]" if ":" in self.prometheus_address else self.prometheus_address
-        rank_zero_info(f"MemoryMonitor: Prometheus gauges at http://{host}:{port}/metrics")
-
-    def _set_gauges(self, figures: dict[str, float]) -> None:
-        if self._registry is None:
-            return
-        import prometheus_client
-
-        for name, value in figures.items():
-            if name not in self._gauges:
-                continue
-            gauge = self._gauges[name]
-            if gauge is None:
-                gauge = prometheus_client.Gauge(f"memopt_{name}", f"lightning_memopt {name}", registry=self._registry)
-                self._gauges[name] = gauge
-            gauge.set(value)
+        rank_zero_info(f"MemoryMonitor: Prometheus gauges at {self._gauges.url}")
 
     def _stop_prometheus(self) -> None:
-        if self._server is not None:
-            server, thread = self._server
-            server.shutdown()
-            server.server_close()
-            thread.join(timeout=10)
-        self._server, self._registry, self._gauges = None, None, {}
+        if self._gauges is not None:
+            self._gauges.close()
+        self._gauges = None
 
     # -- out of memory -------------------------------------------------------------------------
     @override
@@ -350,23 +297,7 @@ class MemoryMonitor(Callback):
 
     def write_oom_report(self, directory: Path, device: torch.device, title: str) -> list[Path]:
         """Write the OOM files for ``device`` into ``directory``; returns the paths written."""
-        written = []
-        if device.type == "cuda":
-            snapshot_path = directory / "oom_snapshot.pickle"
-            with snapshot_path.open("wb") as f:
-                pickle.dump(cuda_memory_snapshot(device), f)
-            report_path = directory / "oom_report.txt"
-            report_path.write_text(f"{title}\n\n{torch.cuda.memory_summary(device)}\n")
-            return [snapshot_path, report_path]
-        tracker = self.tracker or self.last_tracked
-        if tracker is None:
-            return []
-        if self.tracker is None:  # the failing step was not sampled: describe the last one that was
+        if device.type != "cuda" and self.tracker is None and self.last_tracked is not None:
+            # the failing step was not sampled: describe the last one that was
             title += f" (memory of the last sampled step, {self._sampled_step}; the failing step was not tracked)"
-        report_path = directory / "oom_report.txt"
-        report_path.write_text(format_report(tracker.peak, title))
-        written.append(report_path)
-        chart_path = directory / "oom_timeline.png"
-        if tracker.timeline and write_timeline_chart(tracker.timeline, chart_path, title):
-            written.append(chart_path)
-        return written
+        return write_oom_files(directory, device, self.tracker or self.last_tracked, title)

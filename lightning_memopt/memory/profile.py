@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import contextlib
-import copy
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_memopt.memory.step_parts import (
+    LossFn,
+    ModelSource,
+    OptimizerSource,
+    build_optimizer,
+    create_optimizer_state,
+    device_of,
+    materialise,
+    quiet_logging,
+    tensors,
+    training_step_fn,
+)
 from lightning_memopt.memory.tracker import (
     CATEGORIES,
     PARAMETER_CAST,
@@ -25,10 +35,6 @@ from lightning_memopt.vocabulary import GIB, PROFILE_PRECISIONS
 
 MODES = ("real", "fake")
 _HALF = {"bf16": torch.bfloat16, "16": torch.float16}
-
-ModelSource = nn.Module | Callable[[], nn.Module]
-OptimizerSource = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 @dataclass
@@ -154,14 +160,14 @@ def profile_step(
     if steps < 1:
         raise ValueError(f"`steps`={steps!r} must be at least 1")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if mode == "fake" else None
-    module = _materialise(model, fake_mode)
+    module = materialise(model, fake_mode)
     if prepare_model is not None:
         prepare_model(module)
     half = _HALF.get(precision.split("-")[0])
     if precision.endswith("-true") and half is not None:
         module = module.to(half)
-    step = _training_step_fn(module, loss_fn)
-    opt = _build_optimizer(module, optimizer, fake_mode)
+    step = training_step_fn(module, loss_fn)
+    opt = build_optimizer(module, optimizer, fake_mode)
     with contextlib.ExitStack() as stack:
         if fake_mode is not None:
             stack.enter_context(fake_mode)
@@ -170,11 +176,11 @@ def profile_step(
             batch = tree_map(
                 lambda t: t.to(half) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch
             )
-        device = _device_of(module)
+        device = device_of(module)
         # as Lightning and PrecisionSwitch run it: no weight-cast cache
         autocast = torch.autocast(device.type, dtype=half, enabled=precision.endswith("-mixed"), cache_enabled=False)
         if warm_optimizer:
-            _create_optimizer_state(module, opt)
+            create_optimizer_state(module, opt)
         tracker = MemoryTracker(round_to=round_to)
         if host_parameters:
             tracker.track(module.parameters(), "parameters", op="parameters", host=True)
@@ -182,7 +188,7 @@ def profile_step(
         tracker.label_gradients_on_arrival(module)
         tracker.track_blocks(module, blocks)
         tracker.track_optimizer(opt)
-        tracker.track(_tensors(batch), "inputs", op="batch")
+        tracker.track(tensors(batch), "inputs", op="batch")
         counter = WorkCounter(tracker)
         peak, block_accounts, backward_end = _run_steps(
             module, batch, step, opt, autocast, steps, device, fake_mode is not None, tracker, counter, stack
@@ -198,14 +204,6 @@ def profile_step(
     result.work_counts = {key: work.scaled(1 / steps) for key, work in counter.counts.items()}
     result.blocks = block_accounts
     return result
-
-
-def _create_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    for parameter in module.parameters():
-        if parameter.requires_grad:
-            parameter.grad = torch.zeros_like(parameter)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def _run_steps(
@@ -230,7 +228,7 @@ def _run_steps(
     stack.callback(tracker.remove_hooks)
     module.train()
     for _ in range(steps):
-        with tracker.in_phase("forward"), autocast, _quiet_logging():
+        with tracker.in_phase("forward"), autocast, quiet_logging():
             loss = step(batch)
         block_accounts = tracker.block_accounts()
         with tracker.in_phase("backward"):
@@ -268,114 +266,13 @@ def _profile_from(
     )
 
 
-def _materialise(model: ModelSource, fake_mode: FakeTensorMode | None) -> nn.Module:
-    """The module to profile: the module itself, built from a factory, or a fake copy of either.
-
-    In fake mode a factory runs on the meta device (initialisation is free there) and every
-    parameter and buffer is swapped for a fake tensor of the same shape on the CPU (or on the
-    module's own device), so nothing is allocated and no data-dependent init op runs.
-    """
-    if fake_mode is None:
-        return model if isinstance(model, nn.Module) else model()
-    if not isinstance(model, nn.Module):
-        with torch.device("meta"):
-            model = model()
-    memo: dict[int, Any] = {}
-    with fake_mode:
-        for tensor in [*model.parameters(), *model.buffers()]:
-            device = "cpu" if tensor.device.type == "meta" else tensor.device
-            fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
-            memo[id(tensor)] = nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
-    trainer = getattr(model, "_trainer", None)
-    if trainer is not None:
-        memo[id(trainer)] = None
-    return copy.deepcopy(model, memo)
-
-
-def _is_lightning_module(module: nn.Module) -> bool:
-    return callable(getattr(module, "training_step", None)) and callable(getattr(module, "configure_optimizers", None))
-
-
-def _training_step_fn(module: nn.Module, loss_fn: LossFn | None) -> Callable[[Any], torch.Tensor]:
-    if loss_fn is not None:
-        return lambda batch: loss_fn(module, batch)
-    if not _is_lightning_module(module):
-        raise ValueError(
-            f"`loss_fn` is needed to profile a plain {type(module).__name__}; pass "
-            "`loss_fn=lambda model, batch: ...` or a LightningModule"
-        )
-
-    def lightning_step(batch: Any) -> torch.Tensor:
-        output = module.training_step(batch, 0)  # type: ignore[operator]
-        return output["loss"] if isinstance(output, dict) else output
-
-    return lightning_step
-
-
-def _build_optimizer(module: nn.Module, source: OptimizerSource | None, fake_mode: FakeTensorMode | None) -> Any:
-    if source is None:
-        if not _is_lightning_module(module):
-            raise ValueError(f"`optimizer` is needed to profile a plain {type(module).__name__}")
-        return _lightning_optimizer(module)
-    if isinstance(source, torch.optim.Optimizer):
-        if fake_mode is None:
-            return source
-        # the same optimizer class and groups, over the fake parameters (matched by position)
-        fake_params = list(module.parameters())
-        real_index = {id(p): i for i, p in enumerate(p for g in source.param_groups for p in g["params"])}
-        groups = [{**g, "params": [fake_params[real_index[id(p)]] for p in g["params"]]} for g in source.param_groups]
-        return type(source)(groups)  # type: ignore[call-arg]
-    return source(module.parameters())
-
-
-def _lightning_optimizer(module: Any) -> torch.optim.Optimizer:
-    """The (first) optimizer of a LightningModule's ``configure_optimizers``, outside any fit."""
-    from lightning.pytorch import Trainer
-
-    try:
-        previous = module.trainer
-    except RuntimeError:  # (not attached to a Trainer)
-        previous = None
-    module.trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=-1,
-        max_steps=1000,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
-    try:
-        config = module.configure_optimizers()
-    finally:
-        module.trainer = previous
-    while isinstance(config, list | tuple):
-        config = config[0]
-    if isinstance(config, dict):
-        config = config["optimizer"]
-    if not isinstance(config, torch.optim.Optimizer):
-        raise ValueError(f"configure_optimizers of {type(module).__name__} gave no optimizer: {config!r}")
-    return config
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    for tensor in module.parameters():
-        return tensor.device
-    return torch.device("cpu")
-
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    tree_map(lambda t: found.append(t) if isinstance(t, torch.Tensor) else None, batch)
-    return found
-
-
-@contextlib.contextmanager
-def _quiet_logging() -> Iterator[None]:
-    # a LightningModule's self.log() outside a Trainer warns on every call
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*self\.log\(\).*")
-        yield
-
-
-__all__ = ["CATEGORIES", "MODES", "MemoryProfile", "TensorInfo", "profile_step"]
+__all__ = [
+    "CATEGORIES",
+    "MODES",
+    "LossFn",
+    "MemoryProfile",
+    "ModelSource",
+    "OptimizerSource",
+    "TensorInfo",
+    "profile_step",
+]

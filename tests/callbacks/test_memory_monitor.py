@@ -264,7 +264,7 @@ class _Scraper(Callback):
     def on_train_start(self, trainer, pl_module):
         self.bodies.append(_scrape(self.port))
         monitor = next(c for c in trainer.callbacks if isinstance(c, MemoryMonitor))
-        self.bound = monitor._server[0].socket.getsockname()[0]
+        self.bound = monitor._gauges.server[0].socket.getsockname()[0]
 
     def on_train_end(self, trainer, pl_module):
         self.bodies.append(_scrape(self.port))
