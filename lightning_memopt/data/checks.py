@@ -1,4 +1,4 @@
-"""Checks of the data arguments that :mod:`lightning_memopt.arguments` does not cover: sizes, extensions, folders.
+"""Checks of the data arguments that :mod:`lightning_memopt.arguments` does not cover: sizes, folders, splits.
 
 The messages have the shape of :mod:`lightning_memopt.arguments`: the argument's name, the bad value and
 what is valid; ``TypeError`` for a value of the wrong kind, ``ValueError`` for one out of range.
@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_memopt.arguments import check_int, check_path
+from lightning_memopt.arguments import check_fraction, check_int, check_path
 
 
 def check_size_pair(name: str, value: Any, *, minimum: int = 1) -> tuple[int, int]:
@@ -94,3 +94,14 @@ def check_directory(name: str, value: Any, what: str) -> str:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{what} `{name}` {path!r} does not exist or is not a directory")
     return path
+
+
+def check_split(val_fraction: Any, seed: Any) -> tuple[float, int]:
+    """``(val_fraction, seed)`` of a held-out validation split: a fraction in [0, 1) and a seed ≥ 0.
+
+    Example::
+
+        >>> check_split(0.1, 3.0)
+        (0.1, 3)
+    """
+    return check_fraction("val_fraction", val_fraction, open_maximum=True), check_int("seed", seed, minimum=0)

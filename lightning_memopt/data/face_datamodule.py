@@ -7,7 +7,7 @@ insightface (``(x / 255 - 0.5) / 0.5``), ``labels`` int64 [B] in ``[0, num_class
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,7 @@ from omegaconf import Container, OmegaConf
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from lightning_memopt.arguments import InputError
 from lightning_memopt.data.augment import FaceAugmentation
 from lightning_memopt.data.loader_datamodule import LoaderDataModule
 from lightning_memopt.data.resumable import EpochIndex, run_seed, sample_generator
@@ -75,6 +76,37 @@ def split_per_identity(labels: np.ndarray, val_fraction: float, seed: int) -> tu
     is_val = np.zeros(labels.size, dtype=bool)
     is_val[order] = rank < n_val[group]
     return np.flatnonzero(~is_val), np.flatnonzero(is_val)
+
+
+def per_identity_datasets(
+    labels: np.ndarray, val_fraction: float, seed: int, make: Callable[[np.ndarray], Dataset]
+) -> tuple[Dataset, Dataset | None]:
+    """``(train, val)``: ``make(indices)`` of each part of :func:`split_per_identity`; ``val`` is None when empty.
+
+    Example::
+
+        >>> per_identity_datasets(np.array([0, 0, 1]), 0.0, seed=0, make=lambda indices: indices.tolist())
+        ([0, 1, 2], None)
+    """
+    train_index, val_index = split_per_identity(labels, val_fraction, seed)
+    train = make(train_index)
+    return train, make(val_index) if val_index.size else None
+
+
+def check_class_count(num_classes: int | None, found: int, source: str) -> int:
+    """``found``, the identities the data holds, if ``num_classes`` (the count expected, or None) agrees.
+
+    Raises:
+        InputError: ``num_classes`` differs; the message quotes ``source``, where the count was found.
+
+    Example::
+
+        >>> check_class_count(None, 3, "'faces' has 3 identity folders")
+        3
+    """
+    if num_classes is not None and num_classes != found:
+        raise InputError(f"`num_classes`={num_classes!r} but {source}; set `num_classes` to that count or to None")
+    return found
 
 
 def _as_augmentation(value: FaceAugmentation | Mapping[str, Any] | None) -> FaceAugmentation | None:

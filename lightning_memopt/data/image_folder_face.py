@@ -11,9 +11,14 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_memopt.arguments import InputError, check_fraction, check_int, check_optional_int
-from lightning_memopt.data.checks import check_directory, check_extensions
-from lightning_memopt.data.face_datamodule import FaceDataModule, split_per_identity, to_face_tensor
+from lightning_memopt.arguments import InputError, check_optional_int
+from lightning_memopt.data.checks import check_directory, check_extensions, check_split
+from lightning_memopt.data.face_datamodule import (
+    FaceDataModule,
+    check_class_count,
+    per_identity_datasets,
+    to_face_tensor,
+)
 
 DEFAULT_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp")
 # What PIL raises for missing, truncated or corrupt files (UnidentifiedImageError is an OSError).
@@ -213,28 +218,22 @@ class ImageFolderFaceDataModule(FaceDataModule):
         root = check_directory("root", root, "image folder")
         num_classes = check_optional_int("num_classes", num_classes, minimum=1)
         image_size = check_optional_int("image_size", image_size, minimum=1)
-        val_fraction = check_fraction("val_fraction", val_fraction, open_maximum=True)
-        seed = check_int("seed", seed, minimum=0)
+        val_fraction, seed = check_split(val_fraction, seed)
         check_extensions("extensions", extensions)
         super().__init__(**kwargs)
         self.root = root
         self.classes, self.samples = scan_image_folder(self.root, extensions)
-        if num_classes is not None and num_classes != len(self.classes):
-            raise InputError(
-                f"`num_classes`={num_classes!r} but {self.root!r} has {len(self.classes)} identity folders;"
-                " set `num_classes` to that count or to None"
-            )
-        self.num_classes = len(self.classes)
+        found = f"{self.root!r} has {len(self.classes)} identity folders"
+        self.num_classes = check_class_count(num_classes, len(self.classes), found)
         self.image_size = image_size
         self.val_fraction = val_fraction
         self.seed = seed
 
     def _build_datasets(self) -> tuple[Dataset, Dataset | None]:
         labels = np.fromiter((label for _, label in self.samples), dtype=np.int64, count=len(self.samples))
-        train_index, val_index = split_per_identity(labels, self.val_fraction, self.seed)
         reference = self.samples[0][0]
-        train = ImageFolderFaceDataset([self.samples[i] for i in train_index], self.image_size, reference)
-        if val_index.size == 0:
-            return train, None
-        val = ImageFolderFaceDataset([self.samples[i] for i in val_index], self.image_size, reference)
-        return train, val
+
+        def images(indices: np.ndarray) -> ImageFolderFaceDataset:
+            return ImageFolderFaceDataset([self.samples[i] for i in indices], self.image_size, reference)
+
+        return per_identity_datasets(labels, self.val_fraction, self.seed, images)

@@ -21,9 +21,14 @@ import numpy as np
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_memopt.arguments import InputError, check_file, check_fraction, check_int, check_optional_int
-from lightning_memopt.data.checks import check_directory
-from lightning_memopt.data.face_datamodule import FaceDataModule, split_per_identity, to_face_tensor
+from lightning_memopt.arguments import InputError, check_file, check_int, check_optional_int
+from lightning_memopt.data.checks import check_directory, check_split
+from lightning_memopt.data.face_datamodule import (
+    FaceDataModule,
+    check_class_count,
+    per_identity_datasets,
+    to_face_tensor,
+)
 
 FORMAT = "lightning_memopt.faces.v1"
 IMAGES_FILE = "images.u8"
@@ -249,34 +254,29 @@ class MemmapFaceDataModule(FaceDataModule):
         path = check_directory("path", path, "memmap face dataset")
         num_classes = check_optional_int("num_classes", num_classes, minimum=1)
         image_size = check_optional_int("image_size", image_size, minimum=1)
-        val_fraction = check_fraction("val_fraction", val_fraction, open_maximum=True)
-        seed = check_int("seed", seed, minimum=0)
+        val_fraction, seed = check_split(val_fraction, seed)
         super().__init__(**kwargs)
         self.path = path
         self.meta = read_meta(self.path)
         self.images_file = check_images(self.path, self.meta)
         self.labels = read_labels(self.path, self.meta)
         meta_file = os.path.join(self.path, META_FILE)
-        if num_classes is not None and num_classes != self.meta["num_classes"]:
-            raise InputError(
-                f"`num_classes`={num_classes!r} but {meta_file!r} says {self.meta['num_classes']} identities;"
-                " set `num_classes` to that count or to None"
-            )
+        found = f"{meta_file!r} says {self.meta['num_classes']} identities"
+        self.num_classes = check_class_count(num_classes, self.meta["num_classes"], found)
         height, width = self.meta["height"], self.meta["width"]
         if image_size is not None and (image_size, image_size) != (height, width):
             raise InputError(
                 f"`image_size`={image_size!r} but {meta_file!r} describes {height}x{width} images;"
                 " set `image_size` to match or to None"
             )
-        self.num_classes = self.meta["num_classes"]
         self.image_size = height if height == width else None
         self.val_fraction = val_fraction
         self.seed = seed
 
     def _build_datasets(self) -> tuple[Dataset, Dataset | None]:
         shape = (self.meta["count"], self.meta["height"], self.meta["width"])
-        train_index, val_index = split_per_identity(self.labels, self.val_fraction, self.seed)
-        train = MemmapFaceDataset(self.images_file, shape, self.labels, train_index)
-        if val_index.size == 0:
-            return train, None
-        return train, MemmapFaceDataset(self.images_file, shape, self.labels, val_index)
+
+        def rows(indices: np.ndarray) -> MemmapFaceDataset:
+            return MemmapFaceDataset(self.images_file, shape, self.labels, indices)
+
+        return per_identity_datasets(self.labels, self.val_fraction, self.seed, rows)

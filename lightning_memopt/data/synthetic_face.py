@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_memopt.arguments import check_bool, check_int
 from lightning_memopt.data.face_datamodule import FaceDataModule
 from lightning_memopt.data.pairs import PairDataset, verification_pairs
+from lightning_memopt.data.seeded import disjoint_ranges
 
 _PATTERN_SIZE = 8  # each identity is a random 3 x 8 x 8 pattern, upsampled to the image size
 _MAX_SHIFT_FRACTION = 1 / 16  # translation of a sample, as a fraction of the image size
@@ -152,18 +153,11 @@ class SyntheticFaceDataModule(FaceDataModule):
         self.seed = seed
         self.verification_pairs = verification_pairs
 
+    def _samples(self, per_class: int, first_sample: int) -> SyntheticFaceDataset:
+        return SyntheticFaceDataset(self.num_classes, per_class, self.image_size, self.seed, first_sample)
+
     def _build_datasets(self) -> tuple[Dataset, Dataset | None]:
-        train = SyntheticFaceDataset(self.num_classes, self.samples_per_class, self.image_size, self.seed)
-        if self.val_samples_per_class == 0:
-            return train, None
-        val = SyntheticFaceDataset(
-            self.num_classes,
-            self.val_samples_per_class,
-            self.image_size,
-            self.seed,
-            first_sample=self.samples_per_class,
-        )
-        return train, val
+        return disjoint_ranges(self._samples, self.samples_per_class, self.val_samples_per_class)
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation batches; with ``verification_pairs``, ``[samples, pairs]`` (pairs when there are any)."""

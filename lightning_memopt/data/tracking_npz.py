@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_memopt.arguments import InputError, check_fraction, check_int, check_optional_int, check_path
-from lightning_memopt.data.checks import check_directory
+from lightning_memopt.arguments import InputError, check_int, check_optional_int, check_path
+from lightning_memopt.data.checks import check_directory, check_split
 from lightning_memopt.data.loader_datamodule import LoaderDataModule
 from lightning_memopt.data.tracking_sample import check_track_positions, collate_tracking_samples, tracking_sample
 
@@ -211,8 +211,7 @@ class TrackingNpzDataModule(LoaderDataModule):
         root = check_directory("root", root, "tracking dataset")
         traj_per_sample = check_int("traj_per_sample", traj_per_sample, minimum=1)
         sequence_len = check_optional_int("sequence_len", sequence_len, minimum=2)
-        val_fraction = check_fraction("val_fraction", val_fraction, open_maximum=True)
-        seed = check_int("seed", seed, minimum=0)
+        val_fraction, seed = check_split(val_fraction, seed)
         super().__init__(**kwargs)
         # Clips of different sizes in one batch: an error naming their files and sizes.
         self.loader_options["collate_fn"] = collate_tracking_samples

@@ -85,7 +85,7 @@ def check_track_positions(
         Traceback (most recent call last):
         ...
         lightning_memopt.arguments.InputError: 'a.npz': point 1 is marked visible in frame 0 at (x, y) = (30, 2), outside the 16×8 (W×H) frame: ...
-    """
+    """  # noqa: E501
     tracks = np.asarray(tracks, dtype=np.float64)
     visibility = np.asarray(visibility, dtype=bool)
     finite = np.isfinite(tracks).all(axis=-1)
@@ -149,7 +149,7 @@ def collate_tracking_samples(samples: Sequence[Mapping[str, Tensor]]) -> dict[st
         Traceback (most recent call last):
         ...
         lightning_memopt.arguments.InputError: cannot batch tracking clips of different sizes: 3 frames of 4×4 (H×W), 2 tracks: a.npz; 5 ...
-    """
+    """  # noqa: E501
     sizes = [(tuple(sample["video"].shape), tuple(sample["tracks"].shape)) for sample in samples]
     if len(set(sizes)) > 1:
         groups: dict[str, list[str]] = {}

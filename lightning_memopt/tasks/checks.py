@@ -1,4 +1,4 @@
-"""Argument checks the task modules share: pretrained files, option mappings, optimiser and schedule settings.
+"""Argument checks of the task modules: pretrained files, option mappings, optimiser, schedule and loss settings.
 
 Each returns the value in its proper type or raises naming the argument, the bad value and what
 is valid (``TypeError`` for a value of the wrong kind, ``ValueError`` for one out of range,
@@ -11,7 +11,16 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_memopt.arguments import check_bool, check_file, check_float, check_fraction, check_int, check_path
+from lightning_memopt.arguments import (
+    check_bool,
+    check_file,
+    check_float,
+    check_fraction,
+    check_int,
+    check_optional_int,
+    check_path,
+)
+from lightning_memopt.losses.topology import VARIANTS
 from lightning_memopt.tasks.lr_schedule import check_schedule
 
 
@@ -34,6 +43,22 @@ def check_pretrained(
     whole = _checkpoint_file("pretrained", pretrained)
     backbone = _checkpoint_file("pretrained_backbone", pretrained_backbone)
     return whole, backbone, check_bool("pretrained_weights_only", weights_only)
+
+
+def check_network(
+    backbone: Any, backbone_options: Any, pretrained: Any, pretrained_backbone: Any, weights_only: Any
+) -> tuple[str, dict[str, Any], str | None, str | None, bool]:
+    """``(backbone, backbone_options, pretrained, pretrained_backbone, pretrained_weights_only)``: what every task
+    builds its network from (see :func:`check_backbone`, :func:`check_options`, :func:`check_pretrained`).
+
+    Example::
+
+        >>> check_network("r18", None, None, None, "on")
+        ('r18', {}, None, None, True)
+    """
+    backbone = check_backbone(backbone)
+    options = check_options("backbone_options", backbone_options)
+    return (backbone, options, *check_pretrained(pretrained, pretrained_backbone, weights_only))
 
 
 def _checkpoint_file(name: str, value: Any) -> str | None:
@@ -123,3 +148,24 @@ def check_optimisation(
     schedule = check_schedule(schedule)
     power = check_float("power", power, minimum=0, open_minimum=True)
     return lr, weight_decay, warmup_steps, schedule, power
+
+
+def check_topology_options(
+    topo_weight: Any, variant: Any, topo_input_size: Any, em_iterations: Any
+) -> tuple[float, int | None, int]:
+    """``(topo_weight, topo_input_size, em_iterations)`` of the face task's topological loss, ``topo_variant`` known.
+
+    Raises:
+        ValueError: an unknown variant, a negative weight, an input size or EM iteration count below 1.
+        TypeError: a number that is no number.
+
+    Example::
+
+        >>> check_topology_options(0.1, "diagram", None, 10.0)
+        (0.1, None, 10)
+    """
+    if not isinstance(variant, str) or variant not in VARIANTS:
+        raise ValueError(f"Unknown `topo_variant`={variant!r}; valid choices: {', '.join(VARIANTS)}")
+    topo_weight = check_float("topo_weight", topo_weight, minimum=0)  # 0 leaves the topological loss out
+    topo_input_size = check_optional_int("topo_input_size", topo_input_size, minimum=1)  # None: the full images
+    return topo_weight, topo_input_size, check_int("em_iterations", em_iterations, minimum=1)

@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from typing_extensions import override
 
-from lightning_memopt.arguments import check_bool, check_float, check_int, check_optional_int
+from lightning_memopt.arguments import check_bool, check_float, check_int
 from lightning_memopt.losses import (
     CombinedMarginLoss,
     PartialFC,
@@ -21,19 +21,18 @@ from lightning_memopt.losses import (
     hard_sample_probability,
     prediction_entropy,
 )
-from lightning_memopt.losses.topology import VARIANTS, TopologyVariant
+from lightning_memopt.losses.topology import TopologyVariant
 from lightning_memopt.metrics import FaceVerification, KNNRetrieval
 from lightning_memopt.metrics.sharded import communication_device, is_distributed, max_over_ranks
-from lightning_memopt.models import create_model
-from lightning_memopt.models.official import apply_pretrained
 from lightning_memopt.tasks.checks import (
-    check_backbone,
     check_betas,
+    check_network,
     check_optimisation,
     check_options,
-    check_pretrained,
+    check_topology_options,
 )
-from lightning_memopt.tasks.lr_schedule import ScheduleName, clip_sharded_root, step_scheduler
+from lightning_memopt.tasks.common import PRETRAINED_ARGUMENTS, adamw, build_network, with_step_schedule
+from lightning_memopt.tasks.lr_schedule import ScheduleName, clip_sharded_root
 
 OPTIMIZERS = ("sgd", "adamw")
 OptimizerName = Literal["sgd", "adamw"]  # == OPTIMIZERS
@@ -143,10 +142,8 @@ class FaceRecognitionModule(LightningModule):
         super().__init__()
         # Checked and put in their proper types ("off" → False) before save_hyperparameters records them.
         num_classes = check_int("num_classes", num_classes, minimum=1)
-        backbone = check_backbone(backbone)
-        backbone_options = check_options("backbone_options", backbone_options)
-        pretrained, pretrained_backbone, pretrained_weights_only = check_pretrained(
-            pretrained, pretrained_backbone, pretrained_weights_only
+        backbone, backbone_options, pretrained, pretrained_backbone, pretrained_weights_only = check_network(
+            backbone, backbone_options, pretrained, pretrained_backbone, pretrained_weights_only
         )
         scale = check_float("scale", scale, minimum=0, open_minimum=True)
         sample_rate = check_float("sample_rate", sample_rate)  # its range (0, 1] is PartialFC's check
@@ -160,14 +157,14 @@ class FaceRecognitionModule(LightningModule):
         clip_backbone_only = check_bool("clip_backbone_only", clip_backbone_only)
         retrieval_options = check_options("retrieval_options", retrieval_options)
         verification_options = check_options("verification_options", verification_options)
-        topo_weight, topo_input_size, em_iterations = _check_topology_options(
+        topo_weight, topo_input_size, em_iterations = check_topology_options(
             topo_weight, topo_variant, topo_input_size, em_iterations
         )
         hard_sample_weighting = check_bool("hard_sample_weighting", hard_sample_weighting)
-        # The files are where the run started, not part of the model: a checkpoint restores without them.
-        self.save_hyperparameters(ignore=["pretrained", "pretrained_backbone", "pretrained_weights_only"])
-        self.backbone = create_model(backbone, **backbone_options)
-        apply_pretrained(self.backbone, pretrained, pretrained_backbone, pretrained_weights_only)
+        self.save_hyperparameters(ignore=list(PRETRAINED_ARGUMENTS))
+        self.backbone = build_network(
+            backbone, backbone_options, pretrained, pretrained_backbone, pretrained_weights_only
+        )
         self.head = PartialFC(
             num_classes=num_classes,
             embedding_size=cast(int, self.backbone.embedding_size),
@@ -276,11 +273,8 @@ class FaceRecognitionModule(LightningModule):
         if hp.optimizer == "sgd":
             optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
         else:
-            optimizer = torch.optim.AdamW(
-                self.parameters(), lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay
-            )
-        scheduler = step_scheduler(optimizer, self.trainer, hp.warmup_steps, hp.schedule, hp.power)
-        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+            optimizer = adamw(self.parameters(), hp)
+        return with_step_schedule(self, optimizer)
 
     @override
     def configure_gradient_clipping(
@@ -301,13 +295,3 @@ class FaceRecognitionModule(LightningModule):
             torch.nn.utils.clip_grad_norm_(self.backbone.parameters(), gradient_clip_val)
         else:
             torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)
-
-
-def _check_topology_options(
-    topo_weight: Any, variant: Any, topo_input_size: Any, em_iterations: Any
-) -> tuple[float, int | None, int]:
-    if not isinstance(variant, str) or variant not in VARIANTS:
-        raise ValueError(f"Unknown `topo_variant`={variant!r}; valid choices: {', '.join(VARIANTS)}")
-    topo_weight = check_float("topo_weight", topo_weight, minimum=0)  # 0 leaves the topological loss out
-    topo_input_size = check_optional_int("topo_input_size", topo_input_size, minimum=1)  # None: the full images
-    return topo_weight, topo_input_size, check_int("em_iterations", em_iterations, minimum=1)

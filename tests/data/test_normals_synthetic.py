@@ -6,16 +6,8 @@ import torch
 
 from lightning_memopt.data import LoaderDataModule, SyntheticNormalsDataModule
 from lightning_memopt.data.normals_sample import IMAGE_MEAN, IMAGE_STD
-from lightning_memopt.data.synthetic_normals import (
-    SyntheticNormalsDataset,
-    box,
-    disc,
-    pixel_coordinates,
-    random_rotation,
-    render_scene,
-    shade,
-    sphere,
-)
+from lightning_memopt.data.raycast import box, disc, pixel_coordinates, random_rotation, shade, sphere
+from lightning_memopt.data.synthetic_normals import SyntheticNormalsDataset, render_scene
 
 
 def test_sphere_normals_are_the_analytic_unit_radius_vectors():

@@ -4,14 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_memopt.data import SyntheticTrackingDataModule
-from lightning_memopt.data.synthetic_tracking import (
-    Layer,
-    SyntheticTrackingDataset,
-    place_points,
-    point_visibility,
-    random_layers,
-    render_layers,
-)
+from lightning_memopt.data.moving_layers import Layer, place_points, point_visibility, random_layers, render_layers
+from lightning_memopt.data.synthetic_tracking import SyntheticTrackingDataset
 
 
 def _dataset(**kwargs):

@@ -8,7 +8,7 @@ from hydra.utils import instantiate
 from lightning_memopt.data import SyntheticTrackingDataModule
 from lightning_memopt.models import TrackerOutput
 from lightning_memopt.tasks import TrackingModule
-from lightning_memopt.tasks.tracking import tracking_losses, tracking_metrics, window_targets
+from lightning_memopt.tasks.tracking_losses import tracking_losses, tracking_metrics, window_targets
 from tests.helpers import quiet_trainer
 
 
