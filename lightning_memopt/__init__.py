@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
         MemoryBudget,
         MemoryMonitor,
         PrecisionSwitch,
+        StepAccumulationScheduler,
         TrainingSummary,
     )
     from lightning_memopt.models import create_model, list_models
@@ -47,6 +48,7 @@ _LAZY = {
     "MemoryBudget": "lightning_memopt.callbacks",
     "MemoryMonitor": "lightning_memopt.callbacks",
     "PrecisionSwitch": "lightning_memopt.callbacks",
+    "StepAccumulationScheduler": "lightning_memopt.callbacks",
     "TrainingSummary": "lightning_memopt.callbacks",
     "MemoptDDPStrategy": "lightning_memopt.strategies",
     "MemoptFSDPStrategy": "lightning_memopt.strategies",
@@ -63,6 +65,7 @@ __all__ = [
     "MemoryBudget",
     "MemoryMonitor",
     "PrecisionSwitch",
+    "StepAccumulationScheduler",
     "TrainingSummary",
     "create_model",
     "list_models",

@@ -1,16 +1,20 @@
-"""Micro-batching: split a batch, run it in pieces that fit, recover from out-of-memory errors."""
+"""Micro-batching: split a batch, run it in pieces that fit, recover from out-of-memory errors.
 
-from lightning_memopt.accumulation.micro_batch import (
-    LOSS_REDUCTIONS,
-    MicroBatchResult,
-    MicroBatchRunner,
-    MicroBatchSizeError,
-    RanksOutOfStepError,
-    SampleOutOfMemoryError,
-    batch_norms,
-    halve,
-    min_micro_batch_size,
-)
+Everything here runs without a Trainer: :class:`TrainingRecovery` and :class:`EvaluationChunks` are
+what :class:`~lightning_memopt.AdaptiveAccumulation` does for a training or evaluation batch, over the
+:class:`MicroBatchRunner`; :func:`deliver` hands the accumulated gradients to a loop's own backward.
+"""
+
+from lightning_memopt.accumulation.delivery import deliver, scaled_backward
+from lightning_memopt.accumulation.diagnosis import with_profile
+from lightning_memopt.accumulation.errors import MicroBatchSizeError, RanksOutOfStepError, SampleOutOfMemoryError
+from lightning_memopt.accumulation.evaluation import EvaluationChunks
+from lightning_memopt.accumulation.lockstep import Lockstep
+from lightning_memopt.accumulation.micro_batch import LOSS_REDUCTIONS, MicroBatchResult, MicroBatchRunner
+from lightning_memopt.accumulation.min_size import batch_norms, min_micro_batch_size
+from lightning_memopt.accumulation.recovery import TrainingRecovery
+from lightning_memopt.accumulation.schedule import AccumulationSchedule
+from lightning_memopt.accumulation.sizing import MicroBatchSizer, halve
 from lightning_memopt.accumulation.split import (
     BatchSplitError,
     batch_size,
@@ -21,17 +25,25 @@ from lightning_memopt.accumulation.split import (
 
 __all__ = [
     "LOSS_REDUCTIONS",
+    "AccumulationSchedule",
     "BatchSplitError",
+    "EvaluationChunks",
+    "Lockstep",
     "MicroBatchResult",
     "MicroBatchRunner",
     "MicroBatchSizeError",
+    "MicroBatchSizer",
     "RanksOutOfStepError",
     "SampleOutOfMemoryError",
+    "TrainingRecovery",
+    "batch_norms",
     "batch_size",
+    "deliver",
     "halve",
     "merge_outputs",
-    "batch_norms",
     "min_micro_batch_size",
     "register_batch_type",
+    "scaled_backward",
     "slice_batch",
+    "with_profile",
 ]

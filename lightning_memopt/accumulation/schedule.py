@@ -13,6 +13,7 @@ class AccumulationSchedule:
 
     Args:
         entries: ``{first optimizer step: batches per step}``, e.g. ``{0: 1, 1000: 4}``.
+        name: the argument the entries came from, for the error messages.
 
     Raises:
         ValueError: for an empty schedule, a step that is not an int ≥ 0, or a count that is not an int ≥ 1.
@@ -26,16 +27,16 @@ class AccumulationSchedule:
         '{0: 1, 1000: 4, 5000: 8}'
     """
 
-    def __init__(self, entries: Mapping[Any, Any]) -> None:
+    def __init__(self, entries: Mapping[Any, Any], name: str = "accumulate_schedule") -> None:
         if not isinstance(entries, Mapping) or not entries:
-            raise ValueError(f"`accumulate_schedule`={entries!r} must be a non-empty {{step: batches}} mapping")
+            raise ValueError(f"`{name}`={entries!r} must be a non-empty {{step: batches}} mapping")
         parsed: dict[int, int] = {}
         for step, count in entries.items():
             step_value, count_value = _as_int(step), _as_int(count)
             if step_value is None or step_value < 0:
-                raise ValueError(f"`accumulate_schedule` step {step!r} must be an int ≥ 0")
+                raise ValueError(f"`{name}` step {step!r} must be an int ≥ 0")
             if count_value is None or count_value < 1:
-                raise ValueError(f"`accumulate_schedule`[{step!r}]={count!r} must be an int ≥ 1 (batches per step)")
+                raise ValueError(f"`{name}`[{step!r}]={count!r} must be an int ≥ 1 (batches per step)")
             parsed[step_value] = count_value
         self.entries = dict(sorted(parsed.items()))
 
@@ -49,6 +50,7 @@ class AccumulationSchedule:
         return count
 
     def describe(self) -> str:
+        """The schedule as ``{step: batches, ...}`` (what checkpoints keep, to compare with a resumed run's)."""
         return "{" + ", ".join(f"{step}: {count}" for step, count in self.entries.items()) + "}"
 
 

@@ -3,9 +3,23 @@ thrashing, grown back after a stretch of steps without either."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from lightning_memopt.accumulation.micro_batch import Shrink, check_min_size, halve
+from lightning_memopt.accumulation.min_size import check_min_size
+
+Shrink = Callable[[int], int]  # the next micro-batch size after an out-of-memory error
+
+
+def halve(size: int) -> int:
+    """The next micro-batch size after an out-of-memory error: half, rounded up.
+
+    Example::
+
+        >>> [halve(n) for n in (64, 3, 2)]
+        [32, 2, 1]
+    """
+    return (size + 1) // 2
 
 
 class MicroBatchSizer:

@@ -236,3 +236,39 @@ def _weighted_mean(values: list[torch.Tensor], sizes: list[int]) -> torch.Tensor
 
 def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
+def loss_of(output: Any) -> torch.Tensor | None:
+    """The loss in a step's output: the output itself when a tensor, its ``"loss"`` when a mapping, else ``None``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        return output.get("loss")
+    return None
+
+
+def with_loss(output: Any, loss: torch.Tensor) -> Any:
+    """``output`` (a loss tensor or a mapping with ``"loss"``) with ``loss`` as its loss.
+
+    Example::
+
+        >>> with_loss({"loss": torch.tensor(1.0), "n": 3}, torch.tensor(2.0))
+        {'loss': tensor(2.), 'n': 3}
+    """
+    if isinstance(output, torch.Tensor):
+        return loss
+    return type(output)({**output, "loss": loss})
+
+
+def batch_size_or_none(batch: Any) -> int | None:
+    """:func:`batch_size`, or ``None`` for a batch that cannot be split (it runs whole).
+
+    Example::
+
+        >>> batch_size_or_none(torch.zeros(5, 2)), batch_size_or_none(object())
+        (5, None)
+    """
+    try:
+        return batch_size(batch)
+    except BatchSplitError:
+        return None  # it runs whole; only an out-of-memory error on it is an error

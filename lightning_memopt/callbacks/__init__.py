@@ -1,5 +1,6 @@
 """Lightning callbacks, one per file, each thin over the functional layer."""
 
+from lightning_memopt.callbacks.accumulation_scheduler import StepAccumulationScheduler
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
 from lightning_memopt.callbacks.last_checkpoint import LastCheckpoint
@@ -19,6 +20,7 @@ __all__ = [
     "MemoryMonitor",
     "PrecisionSwitch",
     "RandomStateCheckpoint",
+    "StepAccumulationScheduler",
     "TrainingSummary",
     "ValidationWithinEpoch",
 ]

@@ -6,10 +6,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+# the ranks' agreement is the package's one helper (the callbacks' micro-batch runner asks it too); re-exported here
+from lightning_memopt.distributed import is_distributed, max_over_ranks
 
-def is_distributed(group: ProcessGroup | None = None) -> bool:
-    """Whether a process group with more than one rank is running."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+__all__ = [
+    "communication_device",
+    "first_occurrence",
+    "gather_rows",
+    "is_distributed",
+    "max_over_ranks",
+    "rows_per_rank",
+]
 
 
 def communication_device(group: ProcessGroup | None = None, fallback: torch.device | None = None) -> torch.device:
@@ -20,17 +27,6 @@ def communication_device(group: ProcessGroup | None = None, fallback: torch.devi
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return fallback or torch.device("cpu")
-
-
-def max_over_ranks(
-    values: list[int], group: ProcessGroup | None = None, device: torch.device | None = None
-) -> list[int]:
-    """The element-wise maximum of ``values`` over the ranks (the values themselves outside DDP)."""
-    if not is_distributed(group):
-        return list(values)
-    reduced = torch.tensor(values, dtype=torch.long, device=device)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-    return reduced.tolist()
 
 
 def rows_per_rank(count: int, group: ProcessGroup | None = None, device: torch.device | None = None) -> list[int]:

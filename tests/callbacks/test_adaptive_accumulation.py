@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-import lightning_memopt.callbacks.adaptive_accumulation as adaptive_module
+import lightning_memopt.accumulation.recovery as recovery_module
 from lightning_memopt import AdaptiveAccumulation, PrecisionSwitch
 from lightning_memopt.accumulation import MicroBatchSizeError, RanksOutOfStepError, SampleOutOfMemoryError
 from lightning_memopt.memory import MemoryTracker, SimulatedDevice
@@ -223,7 +223,7 @@ def test_grows_back_when_the_pressure_is_gone():
 
 def test_allocator_thrashing_shrinks_the_micro_batch(monkeypatch):
     retries = iter(range(100))
-    monkeypatch.setattr(adaptive_module, "allocator_retries", lambda device: next(retries))
+    monkeypatch.setattr(recovery_module, "allocator_retries", lambda device: next(retries))
     reference, module = OOMToy(), OOMToy()
     fit(reference)
     callback = AdaptiveAccumulation(thrash_steps=2)
@@ -624,7 +624,7 @@ def test_a_learned_minimum_is_kept_in_the_checkpoint(tmp_path):
     module.on_train_batch_end = lambda *args: sizes.append(resumed.last_micro_batches)
     fit(module, [resumed], max_steps=2, ckpt_path=str(tmp_path / "failed.ckpt"))
     assert resumed.learned_min_size == 2 and sizes == [3, 3]  # 8, 7, 2
-    assert resumed._train_runner.min_size == 2
+    assert resumed.recovery.runner.min_size == 2
 
     # restored before setup, and from an older checkpoint without the keys
     loaded = AdaptiveAccumulation(micro_batch_size=8)

@@ -1,0 +1,103 @@
+"""Replace a LightningModule's step hooks on the instance, and put them back: the one place callbacks do it."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+
+from lightning_memopt.private_api import point_logging_at
+
+_ABSENT = object()
+
+PieceRunner = Callable[[Callable[[Any], Any], Any], Any]  # run(step_on_a_piece, batch) -> the step's output
+
+
+class StepHooks:
+    """The step hooks replaced on one LightningModule instance, put back by :meth:`restore`.
+
+    A replacement is an instance attribute; what it shadows (the class's method, or another
+    callback's replacement) is put back, so that callbacks can chain and a module leaves a run as it came.
+
+    Example::
+
+        >>> class Module(LightningModule):
+        ...     def predict_step(self, batch):
+        ...         return batch * 2
+        >>> module, hooks = Module(), StepHooks()
+        >>> hooks.split(None, module, "predict_step", lambda step, batch: [step(piece) for piece in batch])
+        >>> module.predict_step([1, 2])
+        [2, 4]
+        >>> hooks.restore(module)
+        >>> "predict_step" in module.__dict__, module.predict_step(3)
+        (False, 6)
+    """
+
+    def __init__(self) -> None:
+        self._originals: dict[str, Any] = {}  # hook name -> the instance attribute it replaced (or _ABSENT)
+
+    def split(self, trainer: Trainer | None, module: LightningModule, name: str, run: PieceRunner) -> None:
+        """Replace ``module``'s ``name`` hook by ``run(step_on_piece, batch)``, the step called on pieces of its batch.
+
+        ``step_on_piece(piece)`` calls the hook as Lightning called it, with ``piece`` in place of the
+        batch, and points ``self.log``'s batch size at it; after ``run``, logging points at the whole batch
+        (``trainer=None``: nothing to point, outside a run).
+        The replacement keeps the hook's signature (Lightning reads whether it takes ``batch_idx``).
+        """
+        original = getattr(module, name)
+
+        @functools.wraps(original)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            batch = args[0] if args else kwargs["batch"]
+            try:
+                return run(_on_pieces(trainer, original, args, kwargs), batch)
+            finally:
+                point_logging_at(trainer, batch)
+
+        self.install(module, name, step)
+
+    def install(self, module: LightningModule, name: str, hook: Callable[..., Any]) -> None:
+        """Set ``hook`` as ``module``'s ``name``, remembering what it shadows the first time."""
+        if name not in self._originals:
+            self._originals[name] = module.__dict__.get(name, _ABSENT)
+        setattr(module, name, hook)
+
+    def uninstall(self, module: LightningModule, name: str) -> None:
+        """Put back what ``name`` shadowed."""
+        previous = self._originals.pop(name)
+        if previous is _ABSENT:
+            module.__dict__.pop(name, None)
+        else:
+            setattr(module, name, previous)
+
+    def restore(self, module: LightningModule) -> None:
+        """Put back every hook replaced."""
+        for name in list(self._originals):
+            self.uninstall(module, name)
+
+    @contextlib.contextmanager
+    def unwrapped(self, module: LightningModule, name: str) -> Iterator[None]:
+        """``module``'s own ``name`` hook inside the context, the replacement again after it."""
+        hook = module.__dict__[name]
+        self.uninstall(module, name)
+        try:
+            yield
+        finally:
+            self.install(module, name, hook)
+
+
+def _on_pieces(
+    trainer: Trainer | None, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Callable[[Any], Any]:
+    """``step`` called as Lightning called it, with a piece in place of the batch (and logged as one)."""
+
+    def on_piece(piece: Any) -> Any:
+        point_logging_at(trainer, piece)
+        if args:
+            return step(piece, *args[1:], **kwargs)
+        return step(**{**kwargs, "batch": piece})
+
+    return on_piece

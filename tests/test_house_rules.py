@@ -1,0 +1,90 @@
+"""The rules of the house that no other test sees: private API in one module, one vocabulary, short files.
+
+Each rule reads the package's source as text, so a new file that breaks one fails here by name.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_memopt"
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+# what a file past this many lines must say in its docstring ("Over 300 lines because …")
+MOST_LINES = 330
+
+# private torch / Lightning API: only lightning_memopt/private_api.py may use it
+PRIVATE_USES = {
+    "a private torch module": re.compile(r"\btorch(\.\w+)*\._[a-z]\w*"),
+    "a private name imported from torch or Lightning": re.compile(r"from (torch|lightning)(\.\w+)* import .*\b_[a-z]\w*"),
+    "a private attribute of a Lightning object": re.compile(
+        r"\._(trainer|results|data_source|batches_that_stepped|should_accumulate|accelerator_connector)\b"
+    ),
+    "torch's private batch-norm base": re.compile(r"\b_BatchNorm\b"),
+    "a tensor's private base": re.compile(r"\._base\b"),
+}
+# the vocabulary declared once: only lightning_memopt/vocabulary.py may spell these out
+VOCABULARY = {
+    "a unit": re.compile(r"^\s*_?[A-Z]*I?B\s*=\s*(2\s*\*\*\s*(20|30)|1e9)\b", re.MULTILINE),
+    "the precisions": re.compile(r"\(\s*\"32-true\",\s*\"bf16-mixed\",\s*\"16-mixed\""),
+    "the checkpoint modes": re.compile(r"\(\s*\"full\",\s*\"selective\",\s*\"offload\"\s*\)"),
+    "the attention kernels": re.compile(r"\(\s*\"sdpa\",\s*\"math\"\s*\)"),
+}
+
+
+def _relative(path: Path) -> str:
+    return str(path.relative_to(PACKAGE.parent))
+
+
+def _code(path: Path) -> str:
+    """The source without its comments and docstrings (which may name what they explain)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        first = body[0] if isinstance(body, list) and body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            first.value.value = ""
+    return ast.unparse(tree)
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if p.name != "private_api.py"], ids=_relative)
+def test_private_api_is_used_only_through_the_adapter_module(path):
+    code = _code(path)
+    found = [f"{what}: {match.group(0)!r}" for what, rule in PRIVATE_USES.items() for match in rule.finditer(code)]
+    assert not found, f"{_relative(path)} uses {found}; add it to lightning_memopt/private_api.py and call it there"
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if p.name != "vocabulary.py"], ids=_relative)
+def test_the_vocabulary_is_declared_once(path):
+    code = _code(path)
+    found = [f"{what}: {match.group(0)!r}" for what, rule in VOCABULARY.items() for match in rule.finditer(code)]
+    assert not found, f"{_relative(path)} declares {found} again; import it from lightning_memopt.vocabulary"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=_relative)
+def test_a_long_file_says_why(path):
+    lines = len(path.read_text().splitlines())
+    if lines <= MOST_LINES:
+        return
+    docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+    assert "Over 300 lines because" in docstring, (
+        f"{_relative(path)} has {lines} lines: split it by idea, or say in its docstring 'Over 300 lines because …'"
+    )
+
+
+def test_the_rules_see_a_breach():
+    """The patterns catch what they are for (a rule that matches nothing would pass forever)."""
+    breaches = {
+        "from torch.utils._pytree import tree_map": PRIVATE_USES["a private torch module"],
+        "trainer.fit_loop._data_source.dataloader()": PRIVATE_USES["a private attribute of a Lightning object"],
+        "from lightning.fabric.utilities.init import _materialize_distributed_module": PRIVATE_USES[
+            "a private name imported from torch or Lightning"
+        ],
+        "_GIB = 2**30": VOCABULARY["a unit"],
+        'PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")': VOCABULARY["the precisions"],
+    }
+    for text, rule in breaches.items():
+        assert rule.search(text), text
