@@ -20,8 +20,8 @@ from hydra import compose, initialize_config_dir
 from results import add_table_options, markdown_table, printed_table, read_rows, write_csv
 
 from lightning_memopt.cli.config import config_dir
+from lightning_memopt.cli.plan_config import first_batch, instantiate_model
 from lightning_memopt.planner import PlanError, gpu, plan
-from lightning_memopt.planner.config import first_batch, instantiate_model
 
 PRESETS = ("sapiens_0.3b", "sapiens_0.6b", "sapiens_1b", "sapiens_2b")
 # setting -> (GPU, devices, plan() options)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_memopt.planner.pareto import fastest_within, labels, read_sweep, table, write_chart
+# a sibling module: run from benchmarks/ or as a path
+from pareto_front import fastest_within, labels, read_sweep, table, write_chart
 
 _MIB = 2**20
 

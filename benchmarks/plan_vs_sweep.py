@@ -34,13 +34,13 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 # a sibling script: run from benchmarks/ or as a path
+from pareto_front import SweepRun, fastest_within, read_sweep, table
 from results import StepTimes, cpu_trainer, markdown_table, read_rows, write_csv
 
 from lightning_memopt import MemoryBudget
 from lightning_memopt.cli.config import config_dir
+from lightning_memopt.cli.plan_config import first_batch
 from lightning_memopt.planner import Knobs, measure_cpu, plan
-from lightning_memopt.planner.config import first_batch
-from lightning_memopt.planner.pareto import SweepRun, fastest_within, read_sweep, table
 
 PEAK_FLOOR = 0.7  # the plan uses at least 70 % of the budget
 TIME_TARGET = 1.10  # and steps within 10 % of the fastest configuration that fits

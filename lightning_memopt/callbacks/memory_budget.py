@@ -1,35 +1,43 @@
-"""MemoryBudget: plan at fit start for the live model and device, and apply the plan through the other callbacks."""
+"""MemoryBudget: plan for the live model and device (at fit start, or ahead), apply it through callbacks it owns."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
 from lightning_memopt.arguments import check_int, check_optional_float
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
+from lightning_memopt.callbacks.composite import CallbackGroup
+from lightning_memopt.callbacks.memory_budget_plan import (
+    PlanOutcome,
+    PlanTarget,
+    fsdp_command,
+    hardware_for,
+    plan_for_target,
+    trainer_precision,
+)
 from lightning_memopt.callbacks.precision_switch import PrecisionSwitch
 from lightning_memopt.checkpointing import BlocksSpec, check_blocks
 from lightning_memopt.models.structure import attention_kernels, set_attention
-from lightning_memopt.planner import Hardware, Knobs, Plan, PlanError, cuda_hardware, measure_cpu, plan, with_budget
+from lightning_memopt.planner import Knobs, Plan
 from lightning_memopt.planner import gpu as catalogue_gpu
 from lightning_memopt.planner.hardware import GpuName
 from lightning_memopt.planner.knobs import KnobsMapping
-from lightning_memopt.planner.search import check_safety_margin
+from lightning_memopt.planner.space import check_safety_margin
+from lightning_memopt.private_api import training_dataloader
 from lightning_memopt.strategies import MemoptFSDPStrategy
-from lightning_memopt.vocabulary import GIB
 
 _APPLIED_BY = (PrecisionSwitch, ActivationCheckpointing, AdaptiveAccumulation)
 
 
-class MemoryBudget(Callback):
+class MemoryBudget(CallbackGroup):
     """Pick the fastest configuration that fits the device at fit start, and apply it.
 
     In ``setup`` it profiles one step of the LightningModule on a batch of its training data in
@@ -38,10 +46,12 @@ class MemoryBudget(Callback):
     through :class:`ActivationCheckpointing` (on the model's declared, else discovered, blocks, or
     on ``blocks``), micro-batches through :class:`AdaptiveAccumulation`
     (added in every case: it stays on as the run-time safety net against an OOM), the attention
-    kernel by switching the model's attention modules. Under DDP and FSDP rank 0 plans and every
-    rank applies its plan. The knobs are saved in checkpoints; resuming with other knobs is refused
-    (pass the saved ones as ``knobs``).
-    ``plan`` holds the result; the table is logged at INFO on rank 0.
+    kernel by switching the model's attention modules. It owns those callbacks (``applied``) and
+    runs their hooks within its own, their ``setup`` right after planning; their states are saved in
+    its checkpoint entry. Under DDP and FSDP rank 0 plans and every rank applies its plan. The knobs
+    are saved in checkpoints; resuming with other knobs is refused (pass the saved ones as ``knobs``).
+    ``plan`` holds the result; the table is logged at INFO on rank 0. :meth:`plan_ahead` plans
+    before the Trainer exists (as ``memopt-train`` does), from the model and a batch at hand.
 
     Under ``fsdp_memopt`` (:class:`~lightning_memopt.strategies.MemoptFSDPStrategy`) it plans for
     the strategy's sharding over all ranks, with or without CPU offload (with it only, if the
@@ -79,6 +89,8 @@ class MemoryBudget(Callback):
         'bf16-mixed, full every 2'
     """
 
+    group_state_key = "applied"
+
     def __init__(
         self,
         budget: float | None = None,
@@ -100,120 +112,128 @@ class MemoryBudget(Callback):
             self.verify = check_int("verify", verify, minimum=0)
         except (TypeError, ValueError) as error:
             raise MisconfigurationException(f"MemoryBudget: {error}") from None
+        super().__init__()
         self.sample_batch = sample_batch
         self.blocks = blocks
         self.plan: Plan | None = None
-        self.applied: list[Callback] = []
+        self._ahead: PlanOutcome | None = None  # planned before the Trainer existed (rank 0)
         self._attention: dict[str, str] = {}
+
+    @property
+    def applied(self) -> list[Callback]:
+        """The callbacks applying the knobs (owned: their hooks run within this callback's)."""
+        return self.callbacks
+
+    def plan_ahead(
+        self,
+        pl_module: LightningModule,
+        batch: Any = None,
+        *,
+        devices: int = 1,
+        fsdp: bool = False,
+        cpu_offload: bool = False,
+        precision: str = "32-true",
+        device: torch.device | str = "cpu",
+    ) -> Knobs | None:
+        """Plan now, for a Trainer still to be built as described; ``setup`` applies the plan.
+
+        Planned on rank 0 only (a process started as another rank returns ``None``); in ``setup`` rank 0's
+        knobs, or why nothing fits, go to every rank, as when planning there. A Trainer unlike the one
+        described (world size, strategy, precision or device) is planned for again in ``setup``.
+
+        Args:
+            pl_module: the LightningModule to fit (profiled in fake mode, not changed).
+            batch: a training batch, in the form ``training_step`` takes; default ``sample_batch``.
+            devices: the Trainer's world size (devices × nodes).
+            fsdp: the Trainer runs ``fsdp_memopt``.
+            cpu_offload: ``fsdp_memopt`` was given ``cpu_offload=True`` (offloaded plans only).
+            precision: the Trainer's own ``precision``.
+            device: the device rank 0 trains on.
+
+        Returns:
+            The knobs; ``None`` when nothing fits (``setup`` raises why), or on another rank than 0.
+
+        Raises:
+            MisconfigurationException: no ``batch`` nor ``sample_batch``, or ``knobs`` were given (nothing to plan).
+
+        Example::
+
+            >>> from lightning_memopt.tasks import NormalEstimationModule
+            >>> module = NormalEstimationModule(backbone="sapiens_tiny")
+            >>> batch = {"image": torch.randn(2, 3, 64, 48), "normal": torch.randn(2, 3, 64, 48),
+            ...          "mask": torch.ones(2, 1, 64, 48, dtype=torch.bool)}
+            >>> MemoryBudget(budget=0.5, gpu="a100_80gb").plan_ahead(module, batch).describe()
+            'bf16-mixed, sdpa'
+        """
+        if self.knobs is not None:
+            raise MisconfigurationException(f"MemoryBudget: `knobs` {self.knobs.describe()!r} were given: no plan")
+        batch = self.sample_batch if batch is None else batch
+        if batch is None:
+            raise MisconfigurationException("MemoryBudget.plan_ahead: give a `batch` (or `sample_batch`) to plan with")
+        if rank_zero_only.rank != 0:  # (set from RANK / LOCAL_RANK: the launcher's other processes)
+            return None
+        own = precision if precision != "32-true" else None
+        target = PlanTarget(devices, fsdp, fsdp and cpu_offload, own, torch.device(device))
+        self._ahead = self._outcome(pl_module, lambda: batch, target)
+        return None if self._ahead.knobs is None else Knobs(**self._ahead.knobs)
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+        if stage == "fit":
+            self._check_trainer(trainer)
+            knobs = self.knobs or self._agreed_plan(trainer, pl_module)
+            self.knobs = knobs
+            self._apply(trainer, pl_module, knobs)
+        super().setup(trainer, pl_module, stage)  # the applied callbacks' setup, in this hook
+
+    def _check_trainer(self, trainer: Trainer) -> None:
         strategy = trainer.strategy
-        for callback in self.applied:  # from an earlier fit of this Trainer
-            if callback in _callbacks(trainer):
-                _callbacks(trainer).remove(callback)
         if not isinstance(strategy, SingleDeviceStrategy | DDPStrategy | MemoptFSDPStrategy):
             raise MisconfigurationException(
                 f"MemoryBudget plans for single-device, DDP and fsdp_memopt strategies, not {type(strategy).__name__}"
             )
-        others = [type(c).__name__ for c in _callbacks(trainer) if isinstance(c, _APPLIED_BY) and c not in self.applied]
+        others = [type(c).__name__ for c in trainer.callbacks if isinstance(c, _APPLIED_BY)]  # type: ignore[attr-defined]
         if others:
             raise MisconfigurationException(
                 f"MemoryBudget applies its plan through {', '.join(c.__name__ for c in _APPLIED_BY)}; remove the "
                 f"Trainer's own {', '.join(others)} (or drop MemoryBudget)"
             )
-        knobs = self.knobs or self._plan(trainer, pl_module)
-        self.knobs = knobs
-        self._apply(trainer, pl_module, knobs)
 
-    def _plan(self, trainer: Trainer, pl_module: LightningModule) -> Knobs:
+    def _agreed_plan(self, trainer: Trainer, pl_module: LightningModule) -> Knobs:
+        """Rank 0's knobs (planned ahead for this Trainer, or now) on every rank, or its reason on every rank."""
         knobs: dict[str, Any] | None = None
         failure, cause = "", None
         if trainer.is_global_zero:
-            try:
-                knobs, failure = self._plan_here(trainer, pl_module)
-            except Exception as error:  # noqa: BLE001 (told to every rank, re-raised below as its cause)
-                failure = (
-                    str(error) if isinstance(error, PlanError) else f"planning failed: {type(error).__name__}: {error}"
+            target, outcome = PlanTarget.of(trainer, pl_module), self._ahead
+            if outcome is not None and outcome.target != target:
+                rank_zero_info(
+                    f"MemoryBudget: planned ahead for {outcome.target.describe()}, but the Trainer runs "
+                    f"{target.describe()}: planning again"
                 )
-                cause = error
+            if outcome is None or outcome.target != target:
+                outcome = self._outcome(pl_module, lambda: self._batch(trainer), target)
+            knobs, failure, cause = outcome.knobs, outcome.failure, outcome.cause
+        self._ahead = None
         # every rank learns the outcome, so none waits on a rank that failed
         knobs, failure = trainer.strategy.broadcast((knobs, failure))
         if knobs is None:
             raise MisconfigurationException(f"MemoryBudget: {failure}") from cause
         return Knobs(**knobs)
 
-    def _plan_here(self, trainer: Trainer, pl_module: LightningModule) -> tuple[dict[str, Any] | None, str]:
-        """Rank 0's plan for the Trainer's strategy: its knobs, or why there are none."""
-        batch, hardware, world = self._batch(trainer), self._hardware(pl_module.device), trainer.world_size
-        strategy, own = trainer.strategy, _trainer_precision(trainer)
-        precisions = None if own is None else [own]  # a Trainer's own mixed precision is kept
-        if isinstance(strategy, MemoptFSDPStrategy):
-            offload = (True,) if strategy.cpu_offload else (False, True)
-            stored = own is None  # a mixed precision from PrecisionSwitch: the units are gathered as stored
-            options = {"shards": [world], "cpu_offload": offload, "gather_as_stored": stored}
-            self.plan = self._run_plan(pl_module, batch, hardware, world, precisions=precisions, **options)
-        else:
-            try:
-                self.plan = self._run_plan(
-                    pl_module, batch, hardware, world, shards=[1], cpu_offload=(False,), precisions=precisions
-                )
-            except PlanError as error:  # the model states alone do not fit unsharded
-                return None, self._needs_fsdp(pl_module, batch, hardware, world, str(error))
-        rank_zero_info(f"MemoryBudget:\n{self.plan.table()}")
-        chosen = self.plan.chosen
-        if chosen is not None:
-            return chosen.knobs.as_dict(), ""
-        if isinstance(strategy, MemoptFSDPStrategy):
-            return None, _nothing_fits(self.plan)
-        return None, self._needs_fsdp(pl_module, batch, hardware, world, _nothing_fits(self.plan))
-
-    def _run_plan(self, module: LightningModule, batch: Any, hardware: Hardware, devices: int, **options: Any) -> Plan:
-        return plan(
-            module,
-            batch,
-            hardware,
-            safety_margin=self.safety_margin,
-            verify=self.verify,
-            blocks=self.blocks,
-            devices=devices,
-            **options,
-        )
-
-    def _needs_fsdp(self, module: LightningModule, batch: Any, hardware: Hardware, world: int, failure: str) -> str:
-        """Nothing fits this strategy: ``failure``, or the fsdp_memopt command when sharding over the ranks or CPU
-        offload would fit."""
+    def _outcome(self, pl_module: LightningModule, batch: Any, target: PlanTarget) -> PlanOutcome:
+        """Plan for ``target`` on ``batch()``: a failure of any kind is the outcome's (told to every rank in setup)."""
         try:
-            result = self._run_plan(module, batch, hardware, world)
-        except PlanError:
-            return failure
-        if result.chosen is None:
-            return failure
-        rank_zero_info(f"MemoryBudget, sharded or offloaded:\n{result.table()}")
-        knobs = result.chosen.knobs
-        return (
-            f"{failure}\nonly a plan with fsdp_memopt fits: {knobs.describe()} (peak "
-            f"{result.chosen.peak_bytes / GIB:.2f} GiB); run it with {_fsdp_command(knobs)}"
-        )
-
-    def _hardware(self, device: torch.device) -> Hardware:
-        if self.hardware_name is not None:
-            hardware = catalogue_gpu(self.hardware_name)
-        elif device.type == "cuda":
-            hardware = cuda_hardware(device)
-        else:  # off CUDA the memory is the host's: what is available now, unless a budget is given
-            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-            return measure_cpu(int(self.budget * GIB) if self.budget is not None else available)
-        return hardware if self.budget is None else with_budget(hardware, self.budget)
+            hardware = hardware_for(target.device, self.hardware_name, self.budget)
+            options = {"safety_margin": self.safety_margin, "verify": self.verify, "blocks": self.blocks}
+            self.plan, knobs, failure = plan_for_target(pl_module, batch(), hardware, target, **options)
+        except Exception as error:  # noqa: BLE001 (told to every rank, re-raised there as the cause)
+            return PlanOutcome.failed(target, error)
+        return PlanOutcome(target, None if knobs is None else knobs.as_dict(), failure)
 
     def _batch(self, trainer: Trainer) -> Any:
         if self.sample_batch is not None:
             return self.sample_batch
-        # the training loader from wherever fit() got it: a datamodule, the module, or fit's arguments
-        loader = trainer.fit_loop._data_source.dataloader()
-        return next(iter(loader))
+        return next(iter(training_dataloader(trainer)))
 
     def _apply(self, trainer: Trainer, pl_module: LightningModule, knobs: Knobs) -> None:
         strategy = trainer.strategy
@@ -227,9 +247,9 @@ class MemoryBudget(Callback):
         elif knobs.sharding.active:
             raise MisconfigurationException(
                 f"MemoryBudget: `knobs` {knobs.describe()!r} need the fsdp_memopt strategy, not "
-                f"{type(strategy).__name__}: {_fsdp_command(knobs)}"
+                f"{type(strategy).__name__}: {fsdp_command(knobs)}"
             )
-        own = _trainer_precision(trainer)
+        own = trainer_precision(trainer)
         if own is not None and own != knobs.precision:
             raise MisconfigurationException(
                 f"MemoryBudget: `knobs` precision={knobs.precision!r} but the Trainer runs {own!r}; leave the "
@@ -238,37 +258,35 @@ class MemoryBudget(Callback):
         if knobs.attn_impl is not None:
             self._attention = attention_kernels(pl_module)
             set_attention(pl_module, knobs.attn_impl)
-        self.applied = [AdaptiveAccumulation(micro_batch_size=knobs.micro_batch_size)]
+        applied: list[Callback] = [AdaptiveAccumulation(micro_batch_size=knobs.micro_batch_size)]
         if knobs.precision != "32-true" and own is None:
-            self.applied.append(PrecisionSwitch(knobs.precision))
+            applied.append(PrecisionSwitch(knobs.precision))
         policy = knobs.checkpoint_policy(self.blocks)
         if policy is not None:
-            self.applied.append(ActivationCheckpointing(policy))
-        # Lightning visits callbacks appended during this hook in the same pass, so their setup runs next
-        _callbacks(trainer).extend(self.applied)
+            applied.append(ActivationCheckpointing(policy))
+        self.callbacks = applied  # their setup runs next, in this hook
         rank_zero_info(f"MemoryBudget: applying {knobs.describe()}")
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.knobs is None or not trainer.is_global_zero:
-            return
-        logged = {f"memopt/plan/{k}": v for k, v in self.knobs.as_dict().items()}
-        if self.plan is not None:
-            logged.update({f"memopt/plan/{k}": v for k, v in self.plan.summary().items()})
-        for logger in trainer.loggers:
-            logger.log_hyperparams(logged)
+        if self.knobs is not None and trainer.is_global_zero:
+            logged = {f"memopt/plan/{k}": v for k, v in self.knobs.as_dict().items()}
+            if self.plan is not None:
+                logged.update({f"memopt/plan/{k}": v for k, v in self.plan.summary().items()})
+            for logger in trainer.loggers:
+                logger.log_hyperparams(logged)
+        super().on_train_start(trainer, pl_module)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        set_attention(pl_module, self._attention)
-        self._attention = {}
-        # the applied callbacks come after this one in _callbacks(trainer): Lightning tears them down next
+        if stage == "fit":
+            set_attention(pl_module, self._attention)
+            self._attention = {}
+        super().teardown(trainer, pl_module, stage)  # then the applied callbacks'
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"knobs": self.knobs.as_dict() if self.knobs is not None else None}
+        return {"knobs": self.knobs.as_dict() if self.knobs is not None else None, **super().state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -279,33 +297,4 @@ class MemoryBudget(Callback):
                 f"MemoryBudget: the checkpoint was trained with {Knobs(**saved).describe()!r} but this run planned "
                 f"{self.knobs.describe()!r}; resume with MemoryBudget(knobs={saved!r}) to continue the same run"
             )
-
-
-def _fsdp_command(knobs: Knobs) -> str:
-    """The ``memopt-train`` overrides that run sharded or offloaded ``knobs`` (Hydra is imported for it only)."""
-    from lightning_memopt.planner.config import train_command
-
-    return train_command([], knobs)
-
-
-def _trainer_precision(trainer: Trainer) -> str | None:
-    """The mixed precision the Trainer runs itself (``Trainer(precision=...)``), or ``None`` at ``"32-true"``."""
-    precision = str(trainer.precision)
-    return None if precision == "32-true" else precision
-
-
-def _callbacks(trainer: Trainer) -> list[Callback]:
-    return trainer.callbacks  # type: ignore[attr-defined]
-
-
-def _nothing_fits(result: Plan) -> str:
-    smallest = min(result.candidates, key=lambda candidate: candidate.peak_bytes, default=None)
-    closest = (
-        f"; the smallest predicted peak is {smallest.peak_bytes / GIB:.2f} GiB ({smallest.knobs.describe()})"
-        if smallest is not None
-        else ""
-    )
-    return (
-        f"no configuration that keeps the result fits within {result.limit_bytes / GIB:.2f} GiB{closest}; "
-        "the candidates table is logged above (memopt-plan prints it too, with the options that change the result)"
-    )
+        super().load_state_dict(state_dict)  # the applied callbacks' states (older checkpoints: on_load_checkpoint)

@@ -31,14 +31,14 @@ if TYPE_CHECKING:
 
 def plan_config(cfg: DictConfig, overrides: list[str]) -> tuple[Plan, list[str]]:
     """Plan ``cfg`` (composed from ``overrides``); returns the plan and the overrides that reproduce the config."""
-    from lightning_memopt.planner import gpu, plan, with_budget
-    from lightning_memopt.planner.config import (
+    from lightning_memopt.cli.plan_config import (
         FAMILY_DATA,
         family,
         first_batch,
         instantiate_model,
         result_changing_options,
     )
+    from lightning_memopt.planner import gpu, plan, with_budget
 
     data_default = FAMILY_DATA.get(family(cfg))
     chose_data = any(o.startswith(("data=", "experiment=")) for o in overrides)
@@ -72,7 +72,7 @@ def _plan_app(cfg: DictConfig) -> float:
     """Hydra task: prints the candidates, the choice and its ``memopt-train`` command; returns its peak (GiB)."""
     task_started()
     route_lightning_logs()
-    from lightning_memopt.planner.config import train_command
+    from lightning_memopt.planner.command import train_command
 
     with input_errors("memopt-plan", building=True):
         result, overrides = plan_config(cfg, list(HydraConfig.get().overrides.task))

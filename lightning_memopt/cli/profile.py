@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import hydra
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from lightning_memopt.cli.config import config_dir, route_lightning_logs
@@ -28,15 +27,12 @@ if TYPE_CHECKING:
 
 def profile(cfg: DictConfig) -> MemoryProfile:
     """Profile one step of ``cfg.model`` on a batch of ``cfg.data`` under ``cfg.trainer.precision``."""
+    from lightning_memopt.cli.plan_config import first_batch, instantiate_model
     from lightning_memopt.memory.profile import profile_step
-    from lightning_memopt.planner.config import instantiate_model
 
-    datamodule = instantiate(cfg.data)
-    datamodule.setup("fit")
-    batch = next(iter(datamodule.train_dataloader()))
     return profile_step(
         lambda: instantiate_model(cfg.model),
-        batch,
+        first_batch(cfg),
         mode=cfg.profile.mode,
         precision=str(cfg.trainer.precision),
         steps=cfg.profile.steps,

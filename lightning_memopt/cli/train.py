@@ -151,6 +151,7 @@ def build_run(cfg: DictConfig) -> Run:
     import lightning_memopt.strategies  # noqa: F401  (registers `trainer.strategy=ddp_memopt`, `fsdp_memopt`, …)
     from lightning_memopt.callbacks.training_summary import TrainingSummary
     from lightning_memopt.cli.objective import check_sweeper_direction, resolve_objective
+    from lightning_memopt.cli.plan_ahead import plan_ahead
     from lightning_memopt.memory.allocator import configure_allocator
 
     ckpt_path = None if cfg.get("ckpt_path") is None else resolve_checkpoint_path(cfg.ckpt_path)
@@ -170,6 +171,7 @@ def build_run(cfg: DictConfig) -> Run:
     summary = TrainingSummary(csv_path=results_csv, label=" ".join(overrides), print_summary=True)
     callbacks = instantiate_named(cfg.get("callbacks"), "callbacks")
     callbacks += instantiate_named(cfg.memopt.get("callbacks"), "memopt.callbacks")
+    plan_ahead(callbacks, model, datamodule, cfg.trainer)  # memopt=auto: MemoryBudget plans before the Trainer exists
     loggers = instantiate_named(cfg.get("logger"), "logger")
     trainer = instantiate(cfg.trainer, callbacks=[*callbacks, summary], logger=loggers or False)
     check_launch_fits_hydra_mode(trainer)

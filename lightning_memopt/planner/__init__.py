@@ -13,12 +13,13 @@ Example::
 """
 
 from lightning_memopt.models.structure import set_attention
+from lightning_memopt.planner.calibration import measure_cpu
 from lightning_memopt.planner.cost import StepCost, step_cost
-from lightning_memopt.planner.hardware import GPUS, Hardware, cuda_hardware, gpu, measure_cpu, with_budget
+from lightning_memopt.planner.hardware import GPUS, Hardware, cuda_hardware, gpu, with_budget
 from lightning_memopt.planner.knobs import Knobs
 from lightning_memopt.planner.options import MeasuredOption, ResultChangingOption
-from lightning_memopt.planner.report import Plan
-from lightning_memopt.planner.search import Candidate, PlanError, plan
+from lightning_memopt.planner.report import Candidate, Plan, PlanError
+from lightning_memopt.planner.search import plan
 
 __all__ = [
     "GPUS",

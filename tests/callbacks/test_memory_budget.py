@@ -8,12 +8,14 @@ from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_memopt import ActivationCheckpointing, AdaptiveAccumulation, MemoryBudget, PrecisionSwitch
+from lightning_memopt.callbacks import memory_budget
 from lightning_memopt.cli.config import config_dir
 from lightning_memopt.planner import Knobs
-from lightning_memopt.planner.config import train_command
+from lightning_memopt.planner.command import train_command
 from lightning_memopt.tasks import NormalEstimationModule
 from tests.helpers import quiet_trainer, run_script
 
+APPLIED = (AdaptiveAccumulation, PrecisionSwitch, ActivationCheckpointing)
 BATCH = (torch.randn(4, 3, 64, 48), torch.nn.functional.normalize(torch.randn(4, 3, 64, 48), dim=1))
 
 
@@ -69,6 +71,13 @@ def test_given_knobs_are_applied_without_planning_and_survive_resume(tmp_path):
 def test_callbacks_that_would_apply_the_plan_twice_are_refused(tmp_path):
     trainer = quiet_trainer(max_steps=1, callbacks=[MemoryBudget(budget=1.0), PrecisionSwitch("32-true")])
     with pytest.raises(MisconfigurationException, match="remove the Trainer's own PrecisionSwitch"):
+        trainer.fit(_module(), train_dataloaders=_loader())
+
+
+def test_a_trainers_own_adaptive_accumulation_beside_memory_budget_is_refused(tmp_path):
+    budget = MemoryBudget(knobs={"micro_batch_size": 2})
+    trainer = quiet_trainer(max_steps=1, callbacks=[budget, AdaptiveAccumulation()], default_root_dir=tmp_path)
+    with pytest.raises(MisconfigurationException, match="remove the Trainer's own AdaptiveAccumulation"):
         trainer.fit(_module(), train_dataloaders=_loader())
 
 
@@ -194,3 +203,90 @@ def test_under_ddp_a_failed_plan_stops_every_rank_with_its_message(tmp_path):
     rank0, rank1 = _ddp_ranks(tmp_path, 1.0)
     assert rank0["error"] == rank1["error"]
     assert "smaller than the model states alone" in rank0["error"]
+
+
+def test_the_applied_callbacks_are_owned_not_added_to_the_trainer(tmp_path):
+    budget = MemoryBudget(knobs={"precision": "bf16-mixed", "checkpoint": "full", "micro_batch_size": 2})
+    trainer = quiet_trainer(max_steps=2, callbacks=[budget], default_root_dir=tmp_path)
+    before = list(trainer.callbacks)
+    trainer.fit(_module(), train_dataloaders=_loader())
+    assert trainer.callbacks == before and not any(isinstance(c, APPLIED) for c in trainer.callbacks)
+    assert [type(c) for c in budget.applied] == [AdaptiveAccumulation, PrecisionSwitch, ActivationCheckpointing]
+    accumulation, switch, checkpointing = budget.applied
+    assert accumulation.last_micro_batch_size == 2 and switch.base_precision == "bf16-mixed"  # their hooks ran
+    assert checkpointing.report is not None
+    path = tmp_path / "new.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)["callbacks"]
+    assert set(saved) & {"AdaptiveAccumulation", "PrecisionSwitch"} == set()
+    assert set(saved[budget.state_key]["applied"]) == {"AdaptiveAccumulation", "PrecisionSwitch"}
+    assert saved[budget.state_key]["applied"]["AdaptiveAccumulation"] == accumulation.state_dict()
+
+
+def test_a_checkpoint_of_the_earlier_layout_restores_the_applied_callbacks(tmp_path, monkeypatch):
+    knobs = {"precision": "bf16-mixed", "micro_batch_size": 2}
+    trainer = quiet_trainer(max_steps=2, callbacks=[MemoryBudget(knobs=knobs)], default_root_dir=tmp_path)
+    trainer.fit(_module(), train_dataloaders=_loader())
+    path = tmp_path / "old.ckpt"
+    trainer.save_checkpoint(path)
+    # the layout MemoryBudget wrote when its callbacks were the Trainer's own: their states under their own keys
+    checkpoint = torch.load(path, weights_only=False)
+    states = checkpoint["callbacks"]
+    old = states["MemoryBudget"].pop("applied")
+    assert states["MemoryBudget"] == {"knobs": Knobs(**knobs).as_dict()} and set(old) == {
+        "AdaptiveAccumulation",
+        "PrecisionSwitch",
+    }
+    old["AdaptiveAccumulation"].update(size=1, oom_recoveries=3)  # as if it had recovered from 3 OOMs at size 1
+    states.update(old)
+    torch.save(checkpoint, path)
+    loaded = {}
+    for cls in (AdaptiveAccumulation, PrecisionSwitch):
+        original = cls.load_state_dict
+
+        def spy(self, state, original=original):
+            loaded[type(self).__name__] = state
+            original(self, state)
+
+        monkeypatch.setattr(cls, "load_state_dict", spy)
+    resumed = MemoryBudget(knobs=knobs)
+    trainer = quiet_trainer(max_steps=3, callbacks=[resumed], default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="Please add the following callbacks") as warned:  # Lightning's, harmless
+        trainer.fit(_module(), train_dataloaders=_loader(), ckpt_path=path)
+    (lightning_warning,) = [w for w in warned if "Please add the following callbacks" in str(w.message)]
+    assert "AdaptiveAccumulation" in str(lightning_warning.message)
+    assert trainer.global_step == 3
+    assert loaded == old
+    accumulation = resumed.applied[0]
+    assert accumulation.last_micro_batch_size == 1 and accumulation.state_dict()["oom_recoveries"] == 3
+
+
+def test_planned_ahead_the_plan_is_applied_in_setup_without_planning_again(tmp_path, monkeypatch):
+    budget = MemoryBudget(budget=9.0 / 1024)
+    images, normals = BATCH
+    batch = {"image": images, "normal": normals, "mask": torch.ones(4, 1, 64, 48, dtype=torch.bool)}
+    module = _module()
+    knobs = budget.plan_ahead(module, batch)
+    assert knobs is not None and knobs == budget.plan.chosen.knobs and budget.knobs is None
+    plans = []
+    monkeypatch.setattr(memory_budget, "plan_for_target", lambda *args, **kwargs: plans.append(args))
+    monkeypatch.setattr(memory_budget, "training_dataloader", lambda trainer: pytest.fail("read the Trainer's loader"))
+    trainer = quiet_trainer(max_steps=1, callbacks=[budget], default_root_dir=tmp_path)
+    trainer.fit(module, train_dataloaders=_loader())
+    assert budget.knobs == knobs and not plans and trainer.global_step == 1
+    with pytest.raises(MisconfigurationException, match="`knobs` 'bf16-mixed' were given: no plan"):
+        MemoryBudget(knobs={"precision": "bf16-mixed"}).plan_ahead(module, batch)
+
+
+def test_planned_ahead_for_another_trainer_the_plan_is_made_again_in_setup(tmp_path, caplog):
+    budget = MemoryBudget(budget=1.0, gpu="a100_80gb")
+    images, normals = BATCH
+    batch = {"image": images, "normal": normals, "mask": torch.ones(4, 1, 64, 48, dtype=torch.bool)}
+    budget.plan_ahead(_module(), batch, precision="bf16-mixed")  # the Trainer will run 32-true
+    trainer = quiet_trainer(max_steps=1, callbacks=[budget], default_root_dir=tmp_path)
+    with caplog.at_level("INFO"):
+        trainer.fit(_module(), train_dataloaders=_loader())
+    assert "planned ahead for 1 rank, the Trainer at bf16-mixed, on cpu, but the Trainer runs 1 rank, on cpu" in (
+        caplog.text
+    )
+    assert budget.knobs == budget.plan.chosen.knobs and trainer.global_step == 1

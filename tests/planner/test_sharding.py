@@ -139,7 +139,7 @@ def _sapiens_2b_plan(hardware, devices):
     from hydra import compose, initialize_config_dir
 
     from lightning_memopt.cli.config import config_dir
-    from lightning_memopt.planner.config import first_batch, instantiate_model
+    from lightning_memopt.cli.plan_config import first_batch, instantiate_model
 
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("plan", overrides=["model=sapiens_2b", "data=synthetic_normals"])

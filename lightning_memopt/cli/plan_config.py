@@ -1,4 +1,7 @@
-"""Plan a composed training config: its model, one of its batches, its result-changing options, its command line."""
+"""Plan a composed training config (``memopt-plan``): its model, one of its batches, its result-changing options.
+
+The command line that runs a plan's knobs is :func:`~lightning_memopt.planner.command.train_command`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_memopt.planner.knobs import Knobs
 from lightning_memopt.planner.options import ResultChangingOption
 
 # the synthetic data each task family trains on when only `model=` is given
@@ -43,7 +45,19 @@ def family(cfg: DictConfig) -> str:
 
 def first_batch(cfg: DictConfig) -> Any:
     """One training batch of ``cfg.data``."""
-    datamodule = instantiate(cfg.data)
+    return training_batch(instantiate(cfg.data))
+
+
+def training_batch(datamodule: Any) -> Any:
+    """The first batch of ``datamodule``'s train loader (set up for ``"fit"``: the project's datamodules build their
+    datasets once, so Lightning's own ``setup`` later does nothing again).
+
+    Example::
+
+        >>> from lightning_memopt.data import SyntheticNormalsDataModule
+        >>> training_batch(SyntheticNormalsDataModule(num_samples=4, image_size=(32, 24), batch_size=2))["image"].shape
+        torch.Size([2, 3, 32, 24])
+    """
     datamodule.setup("fit")
     return next(iter(datamodule.train_dataloader()))
 
@@ -73,36 +87,6 @@ def result_changing_options(cfg: DictConfig) -> list[ResultChangingOption]:
         caveat = "Partial FC: 10% of the class centres per step (published accuracy on par at 1.4 M identities)"
         options.append(_changed(cfg, "sample_rate 1.0 → 0.1", caveat, ["model.sample_rate=0.1"]))
     return options
-
-
-def train_command(overrides: list[str], knobs: Knobs) -> str:
-    """The ``memopt-train`` command line that runs ``knobs`` on the config given by ``overrides``.
-
-    :class:`~lightning_memopt.MemoryBudget` applies the knobs (``memopt=planned``); a plan that
-    shards or offloads runs under ``strategy=fsdp_memopt`` on ``shards`` devices, with ``bf16-mixed``
-    on the Trainer (so that the units are gathered in bf16, as planned).
-
-    Example::
-
-        >>> command = train_command(["model=sapiens_2b", "gpu=rtx3090_24gb"], Knobs("bf16-mixed", cpu_offload=True))
-        >>> command.split()[1:5]
-        ['model=sapiens_2b', 'strategy=fsdp_memopt', 'trainer.devices=1', 'trainer.strategy.cpu_offload=true']
-    """
-    kept = [o for o in overrides if o.split("=")[0].lstrip("+~") not in ("gpu", "budget", "devices", "safety_margin")]
-    kept = [o for o in kept if not o.startswith(("plan.", "precision=", "memopt="))]
-    extra = []
-    if knobs.sharding.active:
-        kept = [o for o in kept if not o.startswith(("strategy=", "trainer.devices=", "trainer.strategy."))]
-        extra = ["strategy=fsdp_memopt", f"trainer.devices={knobs.shards}"]
-        extra += ["trainer.strategy.cpu_offload=true"] if knobs.cpu_offload else []
-        extra += ["precision=bf16_mixed"] if knobs.precision == "bf16-mixed" else []  # (16-mixed: PrecisionSwitch)
-    prefix = "memopt.callbacks.memory_budget.knobs"
-    extra += ["memopt=planned"] + [f"{prefix}.{key}={_hydra_value(value)}" for key, value in knobs.as_dict().items()]
-    return " ".join(["memopt-train", *kept, *extra])
-
-
-def _hydra_value(value: Any) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _changed(cfg: DictConfig, name: str, caveat: str, overrides: list[str]) -> ResultChangingOption:

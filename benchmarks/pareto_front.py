@@ -1,7 +1,8 @@
 """The runs of a ``memory_grid`` sweep: which configurations are worth it (the Pareto front), and which fits a budget.
 
 A run is on the front when no other run is at least as fast with no more memory (and strictly
-better in one of the two). ``memopt-train sweep=memory_grid`` writes the CSV these functions read.
+better in one of the two). ``memopt-train sweep=memory_grid`` writes the CSV these functions read;
+``pareto.py`` and ``plan_vs_sweep.py`` import them (a module beside them, as ``results``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,37 @@
+"""The ``memopt-train`` command line that runs a plan's knobs: plain strings, no Hydra (callbacks quote it too)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_memopt.planner.knobs import Knobs
+
+
+def train_command(overrides: list[str], knobs: Knobs) -> str:
+    """The ``memopt-train`` command line that runs ``knobs`` on the config given by ``overrides``.
+
+    :class:`~lightning_memopt.MemoryBudget` applies the knobs (``memopt=planned``); a plan that
+    shards or offloads runs under ``strategy=fsdp_memopt`` on ``shards`` devices, with ``bf16-mixed``
+    on the Trainer (so that the units are gathered in bf16, as planned).
+
+    Example::
+
+        >>> command = train_command(["model=sapiens_2b", "gpu=rtx3090_24gb"], Knobs("bf16-mixed", cpu_offload=True))
+        >>> command.split()[1:5]
+        ['model=sapiens_2b', 'strategy=fsdp_memopt', 'trainer.devices=1', 'trainer.strategy.cpu_offload=true']
+    """
+    kept = [o for o in overrides if o.split("=")[0].lstrip("+~") not in ("gpu", "budget", "devices", "safety_margin")]
+    kept = [o for o in kept if not o.startswith(("plan.", "precision=", "memopt="))]
+    extra = []
+    if knobs.sharding.active:
+        kept = [o for o in kept if not o.startswith(("strategy=", "trainer.devices=", "trainer.strategy."))]
+        extra = ["strategy=fsdp_memopt", f"trainer.devices={knobs.shards}"]
+        extra += ["trainer.strategy.cpu_offload=true"] if knobs.cpu_offload else []
+        extra += ["precision=bf16_mixed"] if knobs.precision == "bf16-mixed" else []  # (16-mixed: PrecisionSwitch)
+    prefix = "memopt.callbacks.memory_budget.knobs"
+    extra += ["memopt=planned"] + [f"{prefix}.{key}={_hydra_value(value)}" for key, value in knobs.as_dict().items()]
+    return " ".join(["memopt-train", *kept, *extra])
+
+
+def _hydra_value(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

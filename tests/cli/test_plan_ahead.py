@@ -1,0 +1,66 @@
+"""memopt-train plans MemoryBudget before its Trainer exists, from the model and data it has built."""
+
+import re
+
+import pytest
+import torch
+
+from lightning_memopt import MemoryBudget
+from lightning_memopt.callbacks import memory_budget
+from lightning_memopt.cli.plan_ahead import run_target
+from lightning_memopt.cli.train import build_run, fit
+from tests.helpers import TINY_FACE, TINY_NORMALS, run_memopt_train
+
+_BUDGET = "memopt.callbacks.memory_budget.budget"
+NORMALS = ["model=sapiens_tiny", "data=synthetic_normals", *TINY_NORMALS]
+
+
+def test_memopt_auto_plans_before_the_trainer_and_setup_applies_that_plan(compose_train, monkeypatch):
+    run = build_run(compose_train(*NORMALS, "memopt=auto", f"{_BUDGET}=1.0", "logger=csv"))
+    (budget,) = [c for c in run.trainer.callbacks if isinstance(c, MemoryBudget)]
+    assert budget.plan is not None and budget.plan.chosen is not None and budget.knobs is None
+    planned = budget.plan.chosen.knobs
+    monkeypatch.setattr(memory_budget, "training_dataloader", lambda trainer: pytest.fail("planned in setup"))
+    summary = fit(run)
+    assert budget.knobs == planned and summary.steps == 2
+    logged = run.trainer.logger.experiment.hparams  # the plan's hyperparameters, as before
+    assert logged["memopt/plan/precision"] == planned.precision and logged["memopt/plan/fits"] is True
+
+
+def test_given_knobs_are_not_planned(compose_train):
+    run = build_run(compose_train(*NORMALS, "memopt=planned"))
+    (budget,) = [c for c in run.trainer.callbacks if isinstance(c, MemoryBudget)]
+    assert budget.plan is None and budget.knobs is not None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], (1, False, False, "32-true")),
+        (["strategy=ddp", "trainer.devices=2", "precision=bf16_mixed"], (2, False, False, "bf16-mixed")),
+        (["strategy=ddp", "trainer.devices=[0,1,2]", "trainer.num_nodes=2"], (6, False, False, "32-true")),
+        (["strategy=fsdp_memopt", "trainer.devices=2"], (2, True, False, "32-true")),
+        (
+            ["strategy=fsdp_memopt", "trainer.devices=1", "trainer.strategy.cpu_offload=true"],
+            (1, True, True, "32-true"),
+        ),
+        (["trainer.strategy=fsdp_memopt", "trainer.devices=4"], (4, True, False, "32-true")),
+    ],
+)
+def test_the_run_a_trainer_config_describes(compose_train, overrides, expected):
+    target = run_target(compose_train(*TINY_FACE, *overrides).trainer)
+    assert (target["devices"], target["fsdp"], target["cpu_offload"], target["precision"]) == expected
+    assert target["device"] == torch.device("cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_under_ddp_memopt_train_plans_once_and_every_rank_applies_rank_0s_plan(tmp_path):
+    args = [*NORMALS, "memopt=auto", f"{_BUDGET}=1.0", "strategy=ddp", "trainer.devices=2"]
+    result = run_memopt_train(args, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (log,) = tmp_path.glob("logs/train/runs/*/train.log")  # rank 0's
+    text = log.read_text()
+    assert len(re.findall(r"MemoryBudget:\n", text)) == 1  # one table: rank 0's plan, made in build_run
+    assert "planning again" not in text and len(re.findall(r"MemoryBudget: applying", text)) == 1
+    assert "samples           8  (all ranks)" in result.stdout  # 2 steps × 2 samples × 2 ranks
