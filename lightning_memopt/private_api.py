@@ -5,10 +5,11 @@ only one to mend: the rest of the package imports the names below. Each entry sa
 and which public API would replace it. Lightning is imported inside the functions that need it,
 so that ``memory/`` (which runs without Lightning) can import this module.
 
-Not here, because they are not uses but overrides: ``MemoptDDPStrategy._setup_model`` and
-``MemoptFSDPStrategy._get_process_group_backend`` extend the strategy methods Lightning's own
-subclasses extend, and ``FaceVerification._sync_dist`` the hook torchmetrics documents for
-custom state syncing; each calls ``super()``.
+Not here, because they are a subclass extending its base, not a use from outside:
+``MemoptDDPStrategy`` overrides ``_setup_model`` and sets ``_ddp_kwargs``, ``MemoptFSDPStrategy``
+overrides ``_get_process_group_backend`` and reads ``_process_group_backend``, and
+``SwitchablePrecision`` calls its base's ``_after_closure``, as Lightning's own subclasses do;
+``FaceVerification._sync_dist`` is the hook torchmetrics documents for custom state syncing.
 
 Example::
 
@@ -45,14 +46,18 @@ __all__ = [
     "FakeTensorMode",
     "TorchDispatchMode",
     "abort_process_groups",
+    "attach_trainer",
+    "attached_trainer",
     "copy_tensors",
     "cuda_memory_snapshot",
     "disable_current_modes",
     "ends_optimizer_step",
+    "fsdp_checkpoints_itself",
     "function_compiled",
     "is_batch_norm",
     "is_fake",
     "is_traceable_wrapper_subclass",
+    "lightning_console_handler",
     "logging_step",
     "materialize_distributed_module",
     "module_compiled",
@@ -197,6 +202,23 @@ def ends_optimizer_step(trainer: Any, pl_module: Any) -> bool:
     return not (pl_module.automatic_optimization and trainer.fit_loop.epoch_loop._should_accumulate())
 
 
+def attached_trainer(module: nn.Module) -> Any:
+    """The Trainer a LightningModule is attached to, or ``None`` (also for a plain module).
+
+    missing: a getter that does not raise; ``LightningModule.trainer`` raises outside a fit and hands out a
+    new shim under Fabric.
+    """
+    return getattr(module, "_trainer", None)
+
+
+def attach_trainer(module: nn.Module, trainer: Any) -> None:
+    """Attach ``trainer`` (``None``: detach) to ``module`` alone.
+
+    missing: a setter for one module; ``LightningModule.trainer``'s setter also sets every child LightningModule.
+    """
+    module._trainer = trainer
+
+
 def training_dataloader(trainer: Any) -> Iterable[Any]:
     """The training loader from wherever ``fit()`` got it (a datamodule, the module, fit's arguments), in ``setup``.
 
@@ -215,6 +237,24 @@ def point_logging_at(trainer: Any, batch: Any) -> None:
     results = getattr(trainer, "_results", None)
     if results is not None:
         results.batch, results.batch_size = batch, None
+
+
+def lightning_console_handler() -> Any:
+    """The console handler Lightning adds to its loggers on import (``None`` if it added none).
+
+    missing: a public switch to route Lightning's log lines through the root logger instead.
+    """
+    import lightning
+
+    return getattr(lightning, "_console", None)
+
+
+def fsdp_checkpoints_itself(strategy: Any) -> bool:
+    """Whether Lightning's ``FSDPStrategy`` was given an ``activation_checkpointing_policy`` of its own.
+
+    missing: a public read of the policy the strategy was built with (it keeps only the derived kwargs).
+    """
+    return bool(getattr(strategy, "_activation_checkpointing_kwargs", None))
 
 
 def optimizer_handles_unscaling(optimizer: Any) -> bool:

@@ -23,6 +23,7 @@ PRIVATE_USES = {
     "a private attribute of a Lightning object": re.compile(
         r"\._(trainer|results|data_source|batches_that_stepped|should_accumulate|accelerator_connector)\b"
     ),
+    "a private attribute read by name": re.compile(r"getattr\([^,]+,\s*['\"]_[a-z]\w*"),
     "torch's private batch-norm base": re.compile(r"\b_BatchNorm\b"),
     "a tensor's private base": re.compile(r"\._base\b"),
 }
@@ -83,6 +84,7 @@ def test_the_rules_see_a_breach():
         "from lightning.fabric.utilities.init import _materialize_distributed_module": PRIVATE_USES[
             "a private name imported from torch or Lightning"
         ],
+        'getattr(lightning, "_console", None)': PRIVATE_USES["a private attribute read by name"],
         "_GIB = 2**30": VOCABULARY["a unit"],
         'PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")': VOCABULARY["the precisions"],
     }

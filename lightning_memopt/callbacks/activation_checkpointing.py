@@ -17,6 +17,7 @@ from lightning_memopt.checkpointing import (
     remove_activation_checkpointing,
 )
 from lightning_memopt.models.structure import model_structure
+from lightning_memopt.private_api import fsdp_checkpoints_itself
 
 
 class ActivationCheckpointing(Callback):
@@ -59,7 +60,7 @@ class ActivationCheckpointing(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         strategy = trainer.strategy
-        if isinstance(strategy, FSDPStrategy) and getattr(strategy, "_activation_checkpointing_kwargs", None):
+        if isinstance(strategy, FSDPStrategy) and fsdp_checkpoints_itself(strategy):
             rank_zero_info(
                 "ActivationCheckpointing: the FSDP strategy has its own `activation_checkpointing_policy`; "
                 "leaving checkpointing to it"

@@ -71,6 +71,10 @@ class CallbackGroup(Callback):
     Args:
         callbacks: the callbacks owned, in the order their hooks run; the list can change between fits.
 
+    Raises:
+        RuntimeError: when two owned callbacks share a ``state_key`` (their states would overwrite each
+            other), as Lightning refuses it for the Trainer's own callbacks.
+
     Example::
 
         >>> class Counter(Callback):
@@ -88,7 +92,24 @@ class CallbackGroup(Callback):
     group_state_key = "callbacks"
 
     def __init__(self, callbacks: Iterable[Callback] = ()) -> None:
-        self.callbacks: list[Callback] = list(callbacks)
+        self.callbacks = list(callbacks)
+
+    @property
+    def callbacks(self) -> list[Callback]:
+        """The owned callbacks, in the order their hooks run (assign a new list to change them)."""
+        return self._callbacks
+
+    @callbacks.setter
+    def callbacks(self, callbacks: Iterable[Callback]) -> None:
+        owned = list(callbacks)
+        keys = [callback.state_key for callback in owned]
+        shared = sorted({key for key in keys if keys.count(key) > 1})
+        if shared:
+            raise RuntimeError(
+                f"{type(self).__name__}: the callbacks it owns share the state key(s) {', '.join(shared)}: their "
+                "checkpoint states would overwrite each other; give them distinct arguments (or `state_key`s)"
+            )
+        self._callbacks = owned
 
     @override
     def state_dict(self) -> dict[str, Any]:

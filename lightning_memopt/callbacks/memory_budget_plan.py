@@ -38,11 +38,12 @@ class PlanTarget:
 
     @classmethod
     def of(cls, trainer: Trainer, pl_module: LightningModule) -> PlanTarget:
-        """The run of ``trainer`` (in its ``setup`` hooks, where ``pl_module.device`` is the one it trains on)."""
+        """The run of ``trainer``, in its ``setup`` hooks: the strategy's root device is the one rank 0 trains on
+        (``pl_module`` is still on the CPU there; the strategy moves it after ``setup``)."""
         strategy = trainer.strategy
         fsdp = isinstance(strategy, MemoptFSDPStrategy)
         offload = fsdp and bool(strategy.cpu_offload)  # type: ignore[attr-defined]
-        return cls(trainer.world_size, fsdp, offload, trainer_precision(trainer), pl_module.device)
+        return cls(trainer.world_size, fsdp, offload, trainer_precision(trainer), strategy.root_device)
 
     def describe(self) -> str:
         parts = [f"{self.devices} rank{'s' if self.devices > 1 else ''}"]

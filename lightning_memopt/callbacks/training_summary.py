@@ -20,8 +20,9 @@ from lightning_memopt.arguments import check_bool, check_int, check_output_file
 from lightning_memopt.memory.compiled import compiled_parts
 from lightning_memopt.memory.cuda_peak import mark_peak, peak_since_mark
 from lightning_memopt.memory.tracker import MemoryTracker
-from lightning_memopt.private_api import logging_step
+from lightning_memopt.private_api import logging_step, tree_flatten
 from lightning_memopt.results_file import append_row
+from lightning_memopt.vocabulary import format_bytes
 
 
 @dataclass
@@ -43,7 +44,7 @@ class FitSummary:
     def format(self) -> str:
         """A short human-readable table."""
         loss = "n/a" if self.final_loss is None else f"{self.final_loss:.4f}"
-        memory = "n/a" if self.peak_memory_bytes is None else f"{self.peak_memory_bytes / 2**30:.2f} GiB"
+        memory = "n/a" if self.peak_memory_bytes is None else format_bytes(self.peak_memory_bytes, gib_from=0)
         return "\n".join(
             [
                 "memopt-train summary",
@@ -57,11 +58,12 @@ class FitSummary:
 
 
 def _samples_in(batch: Any) -> int:
-    """The samples of ``batch`` as micro-batching counts them; 0 for a batch whose size cannot be told."""
+    """The samples of ``batch`` as micro-batching counts them, else its first tensor's first dimension (0: none)."""
     try:
         return batch_size(batch)
-    except BatchSplitError:
-        return 0
+    except BatchSplitError:  # tensors of several lengths, a 0-d tensor, a type micro-batching was not taught
+        first = next((item for item in tree_flatten(batch)[0] if isinstance(item, torch.Tensor)), None)
+        return 0 if first is None else first.shape[0] if first.dim() else 1
 
 
 _PROC_STATUS = Path("/proc/self/status")

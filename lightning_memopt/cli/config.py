@@ -87,8 +87,9 @@ def route_lightning_logs() -> int:
         >>> for logger, (handlers, propagate) in zip(loggers, saved):  # as it was, for the other examples
         ...     logger.handlers[:], logger.propagate = handlers, propagate
     """
-    import lightning
     import lightning.pytorch  # noqa: F401  (its loggers set up as Lightning sets them up on import)
+
+    from lightning_memopt.private_api import lightning_console_handler
 
     if not logging.getLogger().handlers:
         return 0
@@ -96,7 +97,7 @@ def route_lightning_logs() -> int:
     for name in _LIGHTNING_LOGGERS:
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):
-            ours = handler is getattr(lightning, "_console", None) or (
+            ours = handler is lightning_console_handler() or (
                 type(handler) is logging.StreamHandler and handler.formatter is None
             )
             if ours:

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from lightning_memopt.arguments import check_bool, check_float, check_int
 from lightning_memopt.cli.config import config_dir, route_lightning_logs
 from lightning_memopt.cli.errors import fail, input_errors, run_hydra_app, task_started
+from lightning_memopt.vocabulary import GIB
 
 # torch and Lightning (through the planner) are imported once the task starts, not with this module:
 # `memopt-plan --help`, `--cfg job` and shell completion then answer at once.
@@ -83,7 +84,7 @@ def _plan_app(cfg: DictConfig) -> float:
     if result.chosen is None:
         fail("memopt-plan", "no configuration fits (see the table above): allow more devices, or lower the batch size")
     print(f"run it with:\n  {train_command(overrides, result.chosen.knobs)}", flush=True)
-    return result.chosen.peak_bytes / 2**30
+    return result.chosen.peak_bytes / GIB
 
 
 def main() -> None:

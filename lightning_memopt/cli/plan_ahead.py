@@ -37,6 +37,8 @@ def plan_ahead(callbacks: list[Any], model: Any, datamodule: Any, trainer: DictC
     if not budgets or rank_zero_only.rank != 0:  # other ranks take rank 0's plan in setup
         return
     target = run_target(trainer)
+    if target["device"].type == "cuda" and _starts_by_fork(trainer.get("strategy", "auto")):
+        return  # querying the GPU here would start CUDA, and a forked rank cannot use it: setup plans instead
     batch = None
     for budget in budgets:
         if budget.sample_batch is None and batch is None:
@@ -103,3 +105,15 @@ def _fsdp_memopt(strategy: Any) -> tuple[bool, bool]:
         return False, False
     fsdp = isinstance(kind, type) and issubclass(kind, MemoptFSDPStrategy)
     return fsdp, fsdp and check_bool("trainer.strategy.cpu_offload", options.get("cpu_offload", False))
+
+
+def _starts_by_fork(strategy: Any) -> bool:
+    """Whether ``strategy`` (a config with ``_target_``, or a registered name) starts its ranks by forking this
+    process (``ddp_fork``, ``ddp_notebook``), which CUDA must not have been started in."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if isinstance(strategy, DictConfig):
+        return str(strategy.get("start_method", "popen")) == "fork"
+    if isinstance(strategy, str) and strategy in StrategyRegistry:
+        return str(StrategyRegistry[strategy]["init_params"].get("start_method", "popen")) == "fork"
+    return False

@@ -10,8 +10,6 @@ from lightning_memopt.memory.chart import chart
 from lightning_memopt.memory.tracker import MemorySnapshot
 from lightning_memopt.vocabulary import GIB, format_bytes
 
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-
 
 def _gib(nbytes: float) -> str:
     return format_bytes(nbytes, digits=3, gib_from=2**27)

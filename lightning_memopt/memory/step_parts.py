@@ -19,19 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memopt.private_api import FakeTensorMode, tree_map
+from lightning_memopt.private_api import FakeTensorMode, attach_trainer, attached_trainer, tree_map
 
 ModelSource = nn.Module | Callable[[], nn.Module]
 OptimizerSource = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-def attached_trainer(module: nn.Module) -> Any:
-    """The Trainer a LightningModule is attached to, or ``None`` (also for a plain module)."""
-    try:
-        return module.trainer
-    except (AttributeError, RuntimeError):  # a plain module; a LightningModule outside a fit
-        return None
 
 
 def create_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -107,19 +99,17 @@ def lightning_optimizer(module: Any) -> torch.optim.Optimizer:
     from lightning.pytorch import Trainer
 
     previous = attached_trainer(module)
-    module.trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=-1,
-        max_steps=1000,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
+    quiet = {
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_checkpointing": False,
+        "enable_model_summary": False,
+    }
+    attach_trainer(module, Trainer(accelerator="cpu", max_epochs=-1, max_steps=1000, **quiet))
     try:
         config = module.configure_optimizers()
     finally:
-        module.trainer = previous
+        attach_trainer(module, previous)
     while isinstance(config, list | tuple):
         config = config[0]
     if isinstance(config, dict):

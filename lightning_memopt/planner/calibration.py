@@ -18,7 +18,7 @@ from torch import nn
 from lightning_memopt.checkpointing.wrap import checkpoint_modules
 from lightning_memopt.memory.work import WorkCounter
 from lightning_memopt.planner.hardware import Hardware
-from lightning_memopt.vocabulary import CHECKPOINT_KNOBS, CHECKPOINT_MODES, MIB
+from lightning_memopt.vocabulary import CHECKPOINT_KNOBS, CHECKPOINT_MODES, GB, MIB
 
 
 def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5) -> Hardware:
@@ -43,7 +43,7 @@ def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5) -> Hardwar
     flops = 2 * size**3
     full = flops / best(lambda: a @ a) / 1e12
     half_rate = flops / best(lambda: half @ half) / 1e12
-    copy = 2 * big.nbytes / best(lambda: big.clone()) / 1e9
+    copy = 2 * big.nbytes / best(lambda: big.clone()) / GB
     kernel, regions = _small_step_seconds(best)
     return Hardware(
         "cpu",

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from lightning_memopt.memory.work import Work
 from lightning_memopt.planner.hardware import Hardware
 from lightning_memopt.planner.sharding import UNSHARDED, ShardedTraffic
+from lightning_memopt.vocabulary import GB
 
 
 @dataclass(frozen=True)
@@ -74,15 +75,15 @@ def step_cost(
     optimizer_share = optimizer_work.scaled(traffic.optimizer_share)
     passes = step_work.scaled(micro_batches) + (Work() if traffic.optimizer_on_host else optimizer_share)
     compute = passes.half_flops / (hardware.half_tflops * 1e12) + passes.full_flops / (hardware.full_tflops * 1e12)
-    memory = 2 * passes.bytes_written / (hardware.memory_gbps * 1e9)
+    memory = 2 * passes.bytes_written / (hardware.memory_gbps * GB)
     launch = (passes.kernels + traffic.launches * micro_batches) * hardware.kernel_seconds
     host_link = 2 * offloaded_bytes + traffic.host_bytes
-    offload = host_link * micro_batches / (hardware.host_link_gbps * 1e9)
-    communication = traffic.peer_bytes * micro_batches / (hardware.peer_link_gbps * 1e9)
+    offload = host_link * micro_batches / (hardware.host_link_gbps * GB)
+    communication = traffic.peer_bytes * micro_batches / (hardware.peer_link_gbps * GB)
     per_call, per_kernel = hardware.region_seconds.get(checkpoint_mode, (0.0, 0.0))
     checkpointing = (regions * per_call + region_kernels * per_kernel) * micro_batches
     host = 0.0
     if traffic.optimizer_on_host:
-        host = 2 * optimizer_share.bytes_written / (hardware.host_memory_gbps * 1e9)
+        host = 2 * optimizer_share.bytes_written / (hardware.host_memory_gbps * GB)
         host += optimizer_share.kernels * hardware.kernel_seconds
     return StepCost(compute, memory, launch, offload, communication, checkpointing, host)

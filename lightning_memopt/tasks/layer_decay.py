@@ -7,13 +7,11 @@ from typing import Any, cast
 from torch import nn
 
 from lightning_memopt.models import VisionTransformer
-
-# Path components that wrappers (FSDP, activation checkpointing, torch.compile) insert in parameter names.
-_WRAPPER_NAME_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+from lightning_memopt.selection import WRAPPER_NAMES
 
 
 def _unwrapped_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAME_PARTS)
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
 
 
 def layer_decay_param_groups(

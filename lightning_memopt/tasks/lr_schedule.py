@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.utilities.types import LRSchedulerConfigType
 
 from lightning_memopt.arguments import check_float, check_int
+from lightning_memopt.private_api import attached_trainer
 
 SCHEDULES = ("polynomial", "cosine", "constant")
 ScheduleName = Literal["polynomial", "cosine", "constant"]  # == SCHEDULES
@@ -93,11 +94,7 @@ def clip_sharded_root(module: Any, max_norm: float) -> bool:
     Returns:
         Whether ``module`` runs under such a root (and was clipped); False leaves clipping to the caller.
     """
-    try:
-        trainer = module.trainer
-    except RuntimeError:  # not attached to a Trainer
-        return False
-    sharded_root = getattr(getattr(trainer, "strategy", None), "model", None)
+    sharded_root = getattr(getattr(attached_trainer(module), "strategy", None), "model", None)
     clip = getattr(sharded_root, "clip_grad_norm_", None)
     if not callable(clip):
         return False

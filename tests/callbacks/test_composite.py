@@ -67,3 +67,13 @@ def test_states_saved_under_the_callbacks_own_keys_are_moved_into_the_groups_ent
     newer = {"callbacks": {"a": {"x": 5}, "CallbackGroup": {"callbacks": {"a": {"x": 9}}}}}
     group.on_load_checkpoint("trainer", "module", newer)  # the group's own layout wins
     assert newer["callbacks"]["CallbackGroup"] == {"callbacks": {"a": {"x": 9}}}
+
+
+def test_owned_callbacks_with_one_state_key_are_refused():
+    from lightning_memopt.callbacks import StepAccumulationScheduler
+
+    with pytest.raises(RuntimeError, match=r"share the state key\(s\) StepAccumulationScheduler"):
+        CallbackGroup([StepAccumulationScheduler(), StepAccumulationScheduler()])
+    group = CallbackGroup([StepAccumulationScheduler()])
+    with pytest.raises(RuntimeError, match="would overwrite each other"):
+        group.callbacks = [*group.callbacks, StepAccumulationScheduler()]

@@ -225,3 +225,18 @@ def test_bad_arguments_are_refused_by_name_at_construction(options, message):
     with pytest.raises(MisconfigurationException) as error:
         TrainingSummary(**options)
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    ("batch", "samples"),
+    [
+        ((torch.zeros(8, 3), torch.zeros(8)), 8),  # as micro-batching counts it
+        ({"image": torch.zeros(8, 3), "lengths": torch.zeros(5)}, 8),  # lengths differ: the first tensor's
+        ((torch.zeros(8, 3), torch.tensor(0.5)), 8),  # a 0-d tensor beside the batch
+        (["no", "tensor"], 0),
+    ],
+)
+def test_a_batch_counts_its_samples_even_where_it_cannot_be_split(batch, samples):
+    from lightning_memopt.callbacks.training_summary import _samples_in
+
+    assert _samples_in(batch) == samples

@@ -64,3 +64,41 @@ def test_under_ddp_memopt_train_plans_once_and_every_rank_applies_rank_0s_plan(t
     assert len(re.findall(r"MemoryBudget:\n", text)) == 1  # one table: rank 0's plan, made in build_run
     assert "planning again" not in text and len(re.findall(r"MemoryBudget: applying", text)) == 1
     assert "samples           8  (all ranks)" in result.stdout  # 2 steps × 2 samples × 2 ranks
+
+
+@pytest.mark.parametrize(
+    ("strategy", "forks"),
+    [("ddp_fork", True), ("ddp_notebook", True), ("ddp", False), ("auto", False), ("ddp_spawn", False)],
+)
+def test_a_strategy_that_forks_its_ranks_is_known(strategy, forks):
+    from lightning_memopt.cli.plan_ahead import _starts_by_fork
+
+    assert _starts_by_fork(strategy) is forks
+
+
+def test_plan_ahead_leaves_a_forking_gpu_run_to_setup(monkeypatch):
+    # querying the GPU before the fork would start CUDA in the parent, which a forked rank cannot use
+    from omegaconf import OmegaConf
+
+    from lightning_memopt.cli import plan_ahead as module
+
+    monkeypatch.setattr(module, "run_target", lambda trainer: {"device": torch.device("cuda", 0)})
+    budget = MemoryBudget()
+    monkeypatch.setattr(budget, "plan_ahead", lambda *args, **kwargs: pytest.fail("planned before the fork"))
+    module.plan_ahead([budget], None, None, OmegaConf.create({"strategy": "ddp_fork"}))
+    monkeypatch.setattr(module, "training_batch", lambda datamodule: torch.zeros(1))
+    planned = []
+    monkeypatch.setattr(budget, "plan_ahead", lambda *args, **kwargs: planned.append(kwargs))
+    module.plan_ahead([budget], None, None, OmegaConf.create({"strategy": "ddp"}))
+    assert planned == [{"device": torch.device("cuda", 0)}]
+
+
+def test_setup_plans_for_the_strategy_root_device_not_the_module_still_on_the_cpu():
+    from types import SimpleNamespace
+
+    from lightning_memopt.callbacks.memory_budget_plan import PlanTarget
+
+    strategy = SimpleNamespace(root_device=torch.device("cuda", 1))
+    trainer = SimpleNamespace(strategy=strategy, world_size=1, precision="32-true")
+    module = torch.nn.Linear(2, 2)  # in `setup` the module is still on the CPU
+    assert PlanTarget.of(trainer, module).device == torch.device("cuda", 1)

@@ -7,12 +7,13 @@ from typing import Any, Literal
 import torch
 
 from lightning_memopt.arguments import check_bool, check_float, check_int, check_optional_int
+from lightning_memopt.vocabulary import GIB
 
 METRICS = ("cosine", "euclidean")
 DistanceMetric = Literal["cosine", "euclidean"]  # == METRICS
 BACKENDS = ("torch", "faiss")
 SearchBackend = Literal["torch", "faiss"]  # == BACKENDS
-DEFAULT_MEMORY = 2**30  # bytes of scores per chunk when neither a chunk nor a budget is given
+DEFAULT_MEMORY = GIB  # bytes of scores per chunk when neither a chunk nor a budget is given
 _EPS = 1e-12
 
 
