@@ -19,7 +19,9 @@ MOST_LINES = 330
 # private torch / Lightning API: only lightning_memopt/private_api.py may use it
 PRIVATE_USES = {
     "a private torch module": re.compile(r"\btorch(\.\w+)*\._[a-z]\w*"),
-    "a private name imported from torch or Lightning": re.compile(r"from (torch|lightning)(\.\w+)* import .*\b_[a-z]\w*"),
+    "a private name imported from torch or Lightning": re.compile(
+        r"from (torch|lightning)(\.\w+)* import .*\b_[a-z]\w*"
+    ),
     "a private attribute of a Lightning object": re.compile(
         r"\._(trainer|results|data_source|batches_that_stepped|should_accumulate|accelerator_connector)\b"
     ),
