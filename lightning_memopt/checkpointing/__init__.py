@@ -10,8 +10,10 @@ Example::
     4
 """
 
+from lightning_memopt.checkpointing.lean import LeanRecompute, lean_recompute
 from lightning_memopt.checkpointing.offload import offload_to_host
 from lightning_memopt.checkpointing.policy import (
+    ActivationBudget,
     BlocksSpec,
     Policy,
     PolicySpec,
@@ -29,18 +31,21 @@ from lightning_memopt.checkpointing.wrap import (
 from lightning_memopt.vocabulary import CHECKPOINT_MODES, CheckpointMode
 
 __all__ = [
+    "ActivationBudget",
     "CHECKPOINT_MODES",
     "SAVED_OPS",
     "SAVED_OP_NAMES",
     "BlocksSpec",
     "CheckpointMode",
     "CheckpointReport",
+    "LeanRecompute",
     "Policy",
     "PolicySpec",
     "apply_activation_checkpointing",
     "check_blocks",
     "checkpoint_mode",
     "checkpoint_modules",
+    "lean_recompute",
     "offload_to_host",
     "parse_policy",
     "remove_activation_checkpointing",

@@ -27,6 +27,7 @@ AutoBlocks = Literal["auto", "preset"]  # == AUTO
 KEYWORDS = {"auto": "full", "preset": "full", "selective": "selective", "offload": "offload", "every_n": "full"}
 PolicyKeyword = Literal["auto", "preset", "selective", "offload", "every_n"]  # == tuple(KEYWORDS)
 POLICY_KEYS = ("modules", "every_n", "mode")
+BUDGET_KEYS = ("budget", "modules")
 # the ``blocks`` argument: "auto" (declared, else discovered) or module classes, dotted class paths and name globs
 BlocksSpec = AutoBlocks | ModuleSpec | Sequence[ModuleSpec] | None
 
@@ -101,8 +102,68 @@ class Policy:
         return found if self.every_n is None else _every_nth_sibling(found, self.every_n)
 
 
+class BudgetMapping(TypedDict, total=False):
+    """An :class:`ActivationBudget` as a mapping (keys == BUDGET_KEYS)."""
+
+    budget: float
+    modules: AutoBlocks | ModuleSpec | Sequence[ModuleSpec] | None
+
+
+@dataclass(frozen=True)
+class ActivationBudget:
+    """Checkpoint each block in the mode (or not at all) that brings the activation peak within ``budget`` fastest.
+
+    The choice needs a measured step: the :class:`~lightning_memopt.ActivationCheckpointing` callback
+    profiles the first training batch in fake mode and solves the checkpointing knapsack
+    (:func:`~lightning_memopt.planner.plan_checkpointing` does it outside a Trainer).
+
+    Args:
+        budget: a fraction in (0, 1] of the activation peak without checkpointing, or bytes (above 1).
+        modules: the blocks to choose for, as :class:`Policy` takes them (``None``: the model's blocks).
+
+    Raises:
+        ValueError: a ``budget`` that is no positive number.
+
+    Example::
+
+        >>> ActivationBudget(0.4).describe()
+        'budget(0.4 of the activation peak, auto)'
+    """
+
+    budget: float
+    modules: tuple[ModuleSpec, ...] | None = None
+
+    def __init__(self, budget: float, modules: ModuleSpec | Iterable[ModuleSpec] | None = None) -> None:
+        object.__setattr__(self, "budget", check_budget(budget))
+        object.__setattr__(self, "modules", _normalise_modules(modules))
+
+    def describe(self) -> str:
+        names = "auto" if self.modules is None else ", ".join(spec_name(spec) for spec in self.modules)
+        amount = f"{self.budget} of the activation peak" if self.budget <= 1 else f"{int(self.budget)} bytes"
+        return f"budget({amount}, {names})"
+
+
+def check_budget(budget: Any) -> float:
+    """``budget``: a fraction in (0, 1] of the activation peak without checkpointing, or a number of bytes above 1.
+
+    Raises:
+        ValueError: not a positive, finite number (a bool neither).
+
+    Example::
+
+        >>> check_budget(0.25), check_budget(2**30)
+        (0.25, 1073741824)
+    """
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < math.inf:
+        raise ValueError(
+            f"`budget`={budget!r} must be a fraction in (0, 1] of the activation peak without checkpointing, or a "
+            "number of bytes above 1"
+        )
+    return budget
+
+
 # what parse_policy takes: a keyword, a module class, dotted class path or name glob, a mapping, a Policy, or a list
-PolicyItem = PolicyKeyword | ModuleSpec | PolicyMapping | Policy
+PolicyItem = PolicyKeyword | ModuleSpec | PolicyMapping | BudgetMapping | Policy | ActivationBudget
 PolicySpec = PolicyItem | Sequence[PolicyItem]
 
 
@@ -126,17 +187,19 @@ def check_blocks(blocks: Any) -> None:
     normalise_specs(blocks, "blocks")
 
 
-def parse_policy(spec: PolicySpec) -> tuple[Policy, ...]:
+def parse_policy(spec: PolicySpec) -> tuple[Policy, ...] | tuple[ActivationBudget]:
     """Turn a policy given as an object, string, class, mapping or list of those into policies.
 
     Strings: ``"auto"`` (full recomputation of the model's declared, else discovered, blocks;
     ``"preset"`` is the same), ``"selective"``, ``"offload"`` (those modes on the same blocks),
     ``"every_n"`` (every n-th of L sibling blocks, n = √L rounded), a dotted class path, or a
     module-name glob. A mapping holds :class:`Policy`
-    arguments. A list composes: the first policy to match a module decides how it is wrapped.
+    arguments; ``{"budget": b}`` (and optionally ``"modules"``) is an :class:`ActivationBudget`, which
+    stands alone. A list composes: the first policy to match a module decides how it is wrapped.
 
     Raises:
-        ValueError: an empty list, unknown mapping keys, or a bad :class:`Policy` argument.
+        ValueError: an empty list, unknown mapping keys, a bad :class:`Policy` argument or budget, or a
+            budget in a list.
         TypeError: a value of any other type.
 
     Example::
@@ -144,7 +207,7 @@ def parse_policy(spec: PolicySpec) -> tuple[Policy, ...]:
         >>> [p.describe() for p in parse_policy(["fnet", {"modules": "updateformer.*", "mode": "offload"}])]
         ['full(fnet)', 'offload(updateformer.*)']
     """
-    if isinstance(spec, Policy):
+    if isinstance(spec, Policy | ActivationBudget):
         return (spec,)
     if isinstance(spec, str):
         if spec in KEYWORDS:
@@ -152,6 +215,11 @@ def parse_policy(spec: PolicySpec) -> tuple[Policy, ...]:
         return (Policy(spec),)
     if isinstance(spec, type):
         return (Policy(spec),)
+    if isinstance(spec, Mapping) and "budget" in spec:
+        unknown = sorted(set(spec) - set(BUDGET_KEYS))
+        if unknown:
+            raise ValueError(f"Unknown budget policy keys {unknown}; valid keys: {', '.join(BUDGET_KEYS)}")
+        return (ActivationBudget(spec["budget"], spec.get("modules")),)
     if isinstance(spec, Mapping):
         unknown = sorted(set(spec) - set(POLICY_KEYS))
         if unknown:
@@ -161,7 +229,12 @@ def parse_policy(spec: PolicySpec) -> tuple[Policy, ...]:
     if isinstance(spec, Sequence):
         if not spec:
             raise ValueError("`policy` is an empty list; give at least one policy")
-        return tuple(policy for item in spec for policy in parse_policy(item))
+        policies = tuple(policy for item in spec for policy in parse_policy(item))
+        if any(isinstance(policy, ActivationBudget) for policy in policies):
+            raise ValueError(
+                f"`policy`={spec!r}: a {{'budget': ...}} policy chooses every block's mode itself; give it alone"
+            )
+        return policies  # type: ignore[return-value]  (no budget among them)
     raise TypeError(
         f"`policy`={spec!r} must be a Policy, a string, a module class, a mapping of {', '.join(POLICY_KEYS)}, "
         "or a list of those"

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memopt.checkpointing.offload import offload_to_host
-from lightning_memopt.checkpointing.policy import Policy, PolicySpec, parse_policy
+from lightning_memopt.checkpointing.policy import ActivationBudget, Policy, PolicySpec, parse_policy
 from lightning_memopt.checkpointing.selective import selective_context
 from lightning_memopt.private_api import is_batch_norm
 from lightning_memopt.selection import describe_model
@@ -48,7 +48,13 @@ class CheckpointReport:
 
 
 class CheckpointedForward:
-    """The instance ``forward`` of a checkpointed module: the class's forward, recomputed or offloaded."""
+    """The instance ``forward`` of a checkpointed module: the class's forward, recomputed or offloaded.
+
+    In ``"full"`` mode a module with a ``checkpointed_forward`` method (a memory-lean recomputation
+    that keeps nothing but its inputs for backward; see :mod:`lightning_memopt.models.structure`) is
+    run by that method instead of ``torch.utils.checkpoint`` — except while compiling, when another
+    instance forward was there before ours, or when it holds batch norms that track running statistics.
+    """
 
     def __init__(self, module: nn.Module, mode: str, previous: Callable[..., Any] | None) -> None:
         self.module = module
@@ -66,13 +72,25 @@ class CheckpointedForward:
                 return self._forward(*args, **kwargs)
         if not torch.is_grad_enabled():  # nothing is saved for backward: nothing to recompute
             return self._forward(*args, **kwargs)
+        # compiled, the recomputation is planned by the compiler and never calls back into Python
+        compiling = torch.compiler.is_compiling()
+        lean = self._lean_forward() if self.mode == "full" and not compiling else None
+        if lean is not None:
+            return lean(*args, **kwargs)
         options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
         if self.mode == "selective":
             options["context_fn"] = selective_context
-        # compiled, the recomputation is planned by the compiler and never calls back into Python
-        compiling = torch.compiler.is_compiling()
         function = self._forward if compiling else _RecomputeOnScratchNormStats(self._forward, self.module)
         return checkpoint(function, *args, **options, **kwargs)
+
+    def _lean_forward(self) -> Callable[..., Any] | None:
+        """The module's ``checkpointed_forward``, where it may stand in for ``checkpoint``."""
+        lean = getattr(self.module, "checkpointed_forward", None)
+        if not callable(lean) or self.previous is not None:
+            return None
+        # it would update their running statistics again on recomputing: the scratch-statistics path does not
+        tracked = (is_batch_norm(m) and m.training and m.track_running_stats for m in self.module.modules())
+        return None if any(tracked) else lean
 
 
 def checkpoint_modules(model: nn.Module, policy: PolicySpec) -> CheckpointReport:
@@ -80,6 +98,12 @@ def checkpoint_modules(model: nn.Module, policy: PolicySpec) -> CheckpointReport
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be an nn.Module, got {model!r} ({type(model).__name__})")
     policies = parse_policy(policy)
+    if isinstance(policies[0], ActivationBudget):
+        raise ValueError(
+            f"a {policies[0].describe()} policy is chosen from a measured training step: use the "
+            "ActivationCheckpointing callback (it profiles the first training batch), or "
+            "lightning_memopt.planner.plan_checkpointing(model, batch, budget) and apply its policy()"
+        )
     already = _checkpointed(model)
     claimed: dict[str, tuple[nn.Module, str]] = {}
     for rule in policies:

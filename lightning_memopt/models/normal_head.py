@@ -6,15 +6,84 @@ from collections.abc import Sequence
 
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
+from lightning_memopt.checkpointing.lean import LeanRecompute
+from lightning_memopt.models.lean_recompute import can_chunk, chunked_conv_norm_act
 from lightning_memopt.models.structure import MemoryStructure
+from lightning_memopt.models.tiled_chain import can_tile, tiled_conv_norm_act_chain
 
 
 class ConvNormAct(nn.Sequential):
-    """One head stage: a convolution, then InstanceNorm2d and SiLU (the unit activation checkpointing wraps)."""
+    """One head stage: a convolution, then InstanceNorm2d and SiLU (the unit activation checkpointing wraps).
+
+    Fully checkpointed, it recomputes in :attr:`chunks` chunks of output channels, one at a time
+    (:meth:`checkpointed_forward`).
+
+    Example::
+
+        >>> import torch
+        >>> stage = ConvNormAct(nn.Conv2d(4, 8, 1), 8)
+        >>> x = torch.randn(2, 4, 6, 5, requires_grad=True)
+        >>> bool(torch.allclose(stage.checkpointed_forward(x), stage(x), atol=1e-6))
+        True
+    """
+
+    chunks: int = 8  # output-channel chunks of the lean recomputation
 
     def __init__(self, conv: nn.Module, channels: int) -> None:
         super().__init__(conv, nn.InstanceNorm2d(channels), nn.SiLU())
+
+    def checkpointed_forward(self, x: Tensor) -> Tensor:
+        """The forward, keeping only ``x`` for backward, which recomputes one chunk of channels at a time.
+
+        A stage :func:`~lightning_memopt.models.lean_recompute.can_chunk` refuses (grouped conv,
+        running statistics, …) is checkpointed whole instead.
+        """
+        if x.dim() == 4 and can_chunk(self):
+            return chunked_conv_norm_act(self, x, self.chunks)
+        return checkpoint(nn.Sequential.forward, self, x, use_reentrant=False)
+
+    def lean_recompute(self) -> LeanRecompute:
+        """For the planner: one chunk's internals held again at a time, the forward recomputed once."""
+        return LeanRecompute(held_fraction=1 / self.chunks if can_chunk(self) else 1.0, forwards=1.0)
+
+
+class ConvNormActChain(nn.Sequential):
+    """:class:`ConvNormAct` stages in a row; fully checkpointed, the 1×1 ones recompute over tiles of rows.
+
+    Its :meth:`checkpointed_forward` runs the whole chain over :attr:`tiles` tiles of rows, so no
+    full-resolution tensor of the chain exists but its input and output (state-dict keys are those
+    of an ``nn.Sequential``).
+
+    Example::
+
+        >>> import torch
+        >>> chain = ConvNormActChain(ConvNormAct(nn.Conv2d(4, 8, 1), 8), ConvNormAct(nn.Conv2d(8, 8, 1), 8))
+        >>> x = torch.randn(2, 4, 6, 5, requires_grad=True)
+        >>> bool(torch.allclose(chain.checkpointed_forward(x), chain(x), atol=1e-5))
+        True
+    """
+
+    tiles: int = 32  # tiles of rows of the lean recomputation (never more than the rows)
+
+    def checkpointed_forward(self, x: Tensor) -> Tensor:
+        """The forward, keeping only ``x`` for backward, which recomputes tile by tile.
+
+        See :func:`~lightning_memopt.models.tiled_chain.tiled_conv_norm_act_chain`. A chain with
+        a stage that is no 1×1, stride-1, unpadded conv (or that
+        :func:`~lightning_memopt.models.tiled_chain.can_tile` refuses otherwise) is checkpointed whole.
+        """
+        if x.dim() == 4 and can_tile(list(self)):
+            return tiled_conv_norm_act_chain(list(self), x, self.tiles)
+        return checkpoint(nn.Sequential.forward, self, x, use_reentrant=False)
+
+    def lean_recompute(self) -> LeanRecompute:
+        """For the planner: one tile held again at a time; the statistics' passes run stage ``k`` of ``K`` again
+        ``K - k + 1`` times in forward and in backward, 2K + 3 forwards of the chain in all (one without)."""
+        if not can_tile(list(self)):
+            return LeanRecompute(held_fraction=1.0, forwards=1.0)
+        return LeanRecompute(held_fraction=1 / self.tiles, forwards=2.0 * len(self) + 3.0)
 
 
 class NormalHead(nn.Module):
@@ -74,7 +143,7 @@ class NormalHead(nn.Module):
                 for source, target in zip(channels, deconv_channels, strict=False)
             )
         )
-        self.refine = nn.Sequential(
+        self.refine = ConvNormActChain(
             *(
                 ConvNormAct(nn.Conv2d(source, target, kernel_size=1), target)
                 for source, target in zip(channels[len(deconv_channels) :], conv_channels, strict=False)
@@ -84,8 +153,9 @@ class NormalHead(nn.Module):
         self.predict = nn.Conv2d(channels[-1], 3, kernel_size=1)
 
     def memory_structure(self) -> MemoryStructure:
-        """Its blocks are the conv stages; its output conv is an fp32 island."""
-        return MemoryStructure(blocks=(*self.upsample, *self.refine), fp32_islands=(self.predict,))
+        """Its blocks are the deconv stages and the 1×1 chain as one; its output conv is an fp32 island."""
+        chain = (self.refine,) if len(self.refine) else ()
+        return MemoryStructure(blocks=(*self.upsample, *chain), fp32_islands=(self.predict,))
 
     def forward(self, features: Tensor) -> Tensor:
         normals = self.predict(self.dropout(self.refine(self.upsample(features))))

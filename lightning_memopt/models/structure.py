@@ -8,6 +8,14 @@ attention kernel. It does so with a ``memory_structure()`` method returning a
 model, and fills the parts no module declares with the repeated blocks that
 :func:`~lightning_memopt.models.discovery.discover_blocks` finds, so any ``nn.Module`` has a structure.
 
+A block may also say how to recompute itself leanly: a method ``checkpointed_forward(*args,
+**kwargs)`` returning what ``forward`` returns, but keeping nothing for backward except its inputs
+(it checkpoints its own pieces). Under full activation checkpointing it then runs instead of
+``torch.utils.checkpoint`` (not while compiling, nor for a block holding batch norms that track
+running statistics); the normal head's stages compute in channel chunks and its 1×1 chain over
+tiles of rows this way (:mod:`~lightning_memopt.models.lean_recompute`,
+:mod:`~lightning_memopt.models.tiled_chain`).
+
 Example::
 
     >>> import torch
@@ -82,7 +90,8 @@ class MemoryStructure:
     """What one module declares about itself; every field is optional.
 
     Args:
-        blocks: its repeated blocks, the units of checkpointing, offload and FSDP sharding.
+        blocks: its repeated blocks, the units of checkpointing, offload and FSDP sharding (one
+            with a ``checkpointed_forward`` method recomputes by it under full checkpointing).
             ``None`` declares nothing (its submodules are searched for repeated blocks); an empty
             sequence declares that it has none worth wrapping.
         fp32_islands: submodules that should run in fp32 under autocast.

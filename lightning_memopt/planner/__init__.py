@@ -14,6 +14,7 @@ Example::
 
 from lightning_memopt.models.structure import set_attention
 from lightning_memopt.planner.calibration import measure_cpu
+from lightning_memopt.planner.checkpoint_budget import CheckpointChoice, plan_checkpointing
 from lightning_memopt.planner.cost import StepCost, step_cost
 from lightning_memopt.planner.hardware import GPUS, Hardware, cuda_hardware, gpu, with_budget
 from lightning_memopt.planner.knobs import Knobs
@@ -24,6 +25,7 @@ from lightning_memopt.planner.search import plan
 __all__ = [
     "GPUS",
     "Candidate",
+    "CheckpointChoice",
     "Hardware",
     "Knobs",
     "MeasuredOption",
@@ -35,6 +37,7 @@ __all__ = [
     "gpu",
     "measure_cpu",
     "plan",
+    "plan_checkpointing",
     "set_attention",
     "step_cost",
     "with_budget",

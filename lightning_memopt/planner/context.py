@@ -1,7 +1,7 @@
 """What a search knows and does at every turn: profile a configuration, and price a step as candidates in each layout.
 
 :class:`SearchContext` holds the inputs of :func:`~lightning_memopt.plan` (model, batch, device,
-layouts, the blocks each checkpointing rung acts on) and what the search has found so far: the
+layouts, the blocks checkpointing chooses for) and what the search has found so far: the
 candidates weighed, the groups skipped or refused, and the profiles run.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from lightning_memopt.accumulation.split import batch_size, slice_batch
-from lightning_memopt.checkpointing import apply_activation_checkpointing
+from lightning_memopt.checkpointing import LeanRecompute, apply_activation_checkpointing
 from lightning_memopt.memory.profile import LossFn, MemoryProfile, OptimizerSource, profile_step
 from lightning_memopt.models.structure import set_attention
 from lightning_memopt.planner.cost import step_cost
@@ -49,8 +49,8 @@ class SearchContext:
     sharded_model: ShardedModel | None  # its FSDP units (None: no sharding considered)
     gather_as_stored: bool  # fsdp_memopt gathers units as stored under mixed precision (PrecisionSwitch's)
     block_spec: Any  # the policy's modules: "auto" or the classes, paths and globs given as `blocks`
-    blocks: list[str]
-    selections: dict[int, list[str]]  # every_n -> the blocks it checkpoints
+    blocks: list[str]  # the blocks checkpointing chooses for
+    lean: dict[str, LeanRecompute]  # those with a lean recomputation of their own, and its cost
     trainable_bytes: int
     progress: Any
     profiles: int = 0
@@ -112,9 +112,7 @@ class SearchContext:
             micro_batches=self.micro_batches(knobs),
             offloaded_bytes=estimate.offloaded_bytes,
             traffic=traffic,
-            checkpoint_mode=knobs.checkpoint,
             regions=estimate.regions,
-            region_kernels=estimate.region_kernels,
         )
         found = Candidate(knobs, estimate, cost, estimate.peak_bytes <= self.limit, how)
         self.candidates.append(found)

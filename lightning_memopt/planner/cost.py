@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lightning_memopt.memory.work import Work
@@ -42,9 +43,7 @@ def step_cost(
     micro_batches: int = 1,
     offloaded_bytes: float = 0.0,
     traffic: ShardedTraffic = UNSHARDED,
-    checkpoint_mode: str = "none",
-    regions: int = 0,
-    region_kernels: float = 0.0,
+    regions: Mapping[str, tuple[int, float]] | None = None,
 ) -> StepCost:
     """The time of one optimizer step: ``micro_batches`` forward/backward passes and one optimizer update.
 
@@ -58,8 +57,8 @@ def step_cost(
             the optimizer's work (:func:`~lightning_memopt.planner.sharding.sharded_traffic`). With
             CPU offload the optimizer step runs on the host: its bytes written, read and written
             once, at the host's memory bandwidth, and its kernels at the device's cost per kernel.
-        checkpoint_mode / regions / region_kernels: the checkpointing mode, its checkpointed block
-            calls per micro-batch and the forward kernels inside them.
+        regions: by checkpointing mode, the checkpointed block calls per micro-batch and the forward
+            kernels inside them.
 
     Example::
 
@@ -80,8 +79,10 @@ def step_cost(
     host_link = 2 * offloaded_bytes + traffic.host_bytes
     offload = host_link * micro_batches / (hardware.host_link_gbps * GB)
     communication = traffic.peer_bytes * micro_batches / (hardware.peer_link_gbps * GB)
-    per_call, per_kernel = hardware.region_seconds.get(checkpoint_mode, (0.0, 0.0))
-    checkpointing = (regions * per_call + region_kernels * per_kernel) * micro_batches
+    checkpointing = 0.0
+    for mode, (calls, kernels) in (regions or {}).items():
+        per_call, per_kernel = hardware.region_seconds.get(mode, (0.0, 0.0))
+        checkpointing += (calls * per_call + kernels * per_kernel) * micro_batches
     host = 0.0
     if traffic.optimizer_on_host:
         host = 2 * optimizer_share.bytes_written / (hardware.host_memory_gbps * GB)

@@ -1,9 +1,10 @@
 """Estimate a checkpointing candidate from the profile of the same step without checkpointing (the anchor).
 
-The anchor's profile says what each preset block's forward leaves alive for the backward pass and
-what its forward costs. Checkpointing a block frees what it left (full: everything; offload: that
-and its outputs, which the next offloaded block saves; selective: everything but the matmul,
-convolution and attention outputs), re-materialises it while that block's backward runs, and adds
+The anchor's profile says what each block's forward leaves alive for the backward pass and what
+its forward costs. Each block is checkpointed in a mode of its own. Checkpointing a block frees
+what it left (full: everything; offload: that and its outputs, which the next offloaded block
+saves; selective: everything but the matmul, convolution and attention outputs), re-materialises
+it while that block's backward runs, and adds
 its forward again (full), its cheap ops (selective) or a copy to the host and back (offload), plus
 the host-side cost of each checkpointed call. The planner confirms the estimate it picks with a
 profile of its own.
@@ -11,9 +12,10 @@ profile of its own.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from lightning_memopt.checkpointing import SAVED_OP_NAMES
+from lightning_memopt.checkpointing import SAVED_OP_NAMES, LeanRecompute
 from lightning_memopt.memory.profile import MemoryProfile
 from lightning_memopt.memory.tracker import CATEGORIES, PARAMETER_CAST
 from lightning_memopt.memory.work import Work
@@ -41,8 +43,8 @@ class StepEstimate:
     step_work: Work
     optimizer_work: Work
     offloaded_bytes: float  # activation bytes one micro-batch offloads to the host
-    regions: int = 0  # checkpointed block calls per micro-batch
-    region_kernels: float = 0.0  # the forward kernels inside them
+    # by checkpointing mode: the checkpointed block calls per micro-batch and the forward kernels inside them
+    regions: dict[str, tuple[int, float]] = field(default_factory=dict)
     parameter_casts: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
 
@@ -83,8 +85,15 @@ def from_profile(profile: MemoryProfile, extra_bytes: int = 0) -> StepEstimate:
     )
 
 
-def checkpointed(anchor: MemoryProfile, blocks: list[str], mode: str, extra_bytes: int = 0) -> StepEstimate:
-    """Estimate checkpointing ``blocks`` in ``mode`` (``"full"``, ``"selective"`` or ``"offload"``) from ``anchor``.
+def checkpointed(
+    anchor: MemoryProfile,
+    modes: Mapping[str, str],
+    extra_bytes: int = 0,
+    lean: Mapping[str, LeanRecompute] | None = None,
+) -> StepEstimate:
+    """Estimate checkpointing each block of ``modes`` in its mode (``"full"``, ``"selective"`` or ``"offload"``).
+
+    ``lean``: the blocks with a lean recomputation of their own, and its cost (used in full mode).
 
     Example::
 
@@ -95,15 +104,19 @@ def checkpointed(anchor: MemoryProfile, blocks: list[str], mode: str, extra_byte
         >>> anchor = profile_step(lambda: create_model("sapiens_tiny"), torch.randn(2, 3, 64, 48), mode="fake",
         ...     loss_fn=lambda m, x: m(x).square().mean(), optimizer=lambda p: torch.optim.AdamW(p),
         ...     steps=1, warm_optimizer=True, blocks=names)
-        >>> checkpointed(anchor, list(names), "full").peak_bytes < from_profile(anchor).peak_bytes
+        >>> full = checkpointed(anchor, dict.fromkeys(names, "full"))
+        >>> mixed = checkpointed(anchor, {names[0]: "full", names[1]: "selective"})
+        >>> full.peak_bytes < mixed.peak_bytes < from_profile(anchor).peak_bytes
         True
     """
-    freed = {name: _freed_bytes(anchor, name, mode) for name in blocks}
+    lean = lean or {}
+    freed = freed_bytes(anchor, modes)
     # forward ends with all of it freed; in backward one block at a time holds its part again
+    held = {name: held_bytes(anchor, name, nbytes, modes[name], lean.get(name)) for name, nbytes in freed.items()}
     savings = {"forward": sum(freed.values())}
-    saving = sum(freed.values()) - max(freed.values(), default=0)
+    saving = sum(freed.values()) - max(held.values(), default=0)
     # the parameter casts the checkpointed blocks kept are freed with them (recomputed in backward)
-    casts_freed = sum(anchor.blocks[name].by_op.get(PARAMETER_CAST, 0) for name in blocks if name in anchor.blocks)
+    casts_freed = sum(anchor.blocks[name].by_op.get(PARAMETER_CAST, 0) for name in modes if name in anchor.blocks)
     base = from_profile(anchor, extra_bytes)
     phases = {phase: dict(breakdown) for phase, breakdown in base.phases.items()}
     casts = dict(base.parameter_casts)
@@ -113,33 +126,62 @@ def checkpointed(anchor: MemoryProfile, blocks: list[str], mode: str, extra_byte
             phases[moment]["activations"] = max(0, activations - savings.get(moment, saving))
             casts[moment] = max(0, min(casts.get(moment, 0) - casts_freed, phases[moment]["activations"]))
     recompute = Work()
-    for name in blocks:
+    regions: dict[str, tuple[int, float]] = {}
+    for name, mode in modes.items():
         forward = anchor.work(("forward",), (name,))
-        recompute = recompute + (
-            forward if mode == "full" else forward.without_matmuls() if mode == "selective" else Work()
-        )
-    offloaded = float(sum(freed.values())) if mode == "offload" else 0.0
-    regions = sum(anchor.blocks[name].calls for name in blocks if name in anchor.blocks)  # absent: never called
-    region_kernels = anchor.work(("forward",), tuple(blocks)).kernels
-    step_work = anchor.work(STEP_PHASES) + recompute
+        recompute = recompute + recomputed_work(forward, mode, lean.get(name))
+        calls, kernels = regions.get(mode, (0, 0.0))
+        account = anchor.blocks.get(name)  # absent: never called
+        regions[mode] = (calls + (account.calls if account is not None else 0), kernels + forward.kernels)
+    offloaded = float(sum(nbytes for name, nbytes in freed.items() if modes[name] == "offload"))
     return StepEstimate(
         phases,
-        step_work,
+        anchor.work(STEP_PHASES) + recompute,
         anchor.work(("optimizer",)),
         offloaded,
         regions,
-        region_kernels,
         parameter_casts=casts,
         host={"activations": int(offloaded)} if offloaded else {},
     )
 
 
-def _freed_bytes(anchor: MemoryProfile, block: str, mode: str) -> int:
+def recomputed_work(forward: Work, mode: str, lean: LeanRecompute | None = None) -> Work:
+    """What checkpointing a block in ``mode`` runs again, given its ``forward`` work (and its lean recomputation)."""
+    if mode == "full":
+        return forward if lean is None else forward.scaled(lean.forwards)
+    return forward.without_matmuls() if mode == "selective" else Work()
+
+
+def held_bytes(anchor: MemoryProfile, block: str, freed: int, mode: str, lean: LeanRecompute | None = None) -> int:
+    """What ``block``, freeing ``freed`` bytes in ``mode``, holds again at once while its backward runs: recomputed,
+    all of it (a lean recomputation its share); offloaded, each saved tensor comes back as its op's backward needs
+    it: at most the bytes one kind of op saved, and the block's output."""
     account = anchor.blocks.get(block)
-    if account is None:
-        return 0
-    if mode == "selective":
-        return account.saved_bytes - account.bytes_made_by(SAVED_OP_NAMES)
-    if mode == "offload":  # every saved tensor leaves, the block inputs the next offloaded block saves too
-        return account.saved_bytes + account.output_bytes
-    return account.saved_bytes
+    if mode == "offload" and account is not None:
+        return min(freed, max(account.by_op.values(), default=0) + account.output_bytes)
+    return int(freed * lean.held_fraction) if mode == "full" and lean is not None else freed
+
+
+def freed_bytes(anchor: MemoryProfile, modes: Mapping[str, str]) -> dict[str, int]:
+    """The device bytes each block of ``modes`` frees until its backward runs, by block.
+
+    Full checkpointing frees what the block saved; selective all but the outputs of matmul,
+    convolution and attention ops; offload every saved tensor, and the block's output too where the
+    next block (in the anchor's order) is offloaded as well or none follows (it saves that output).
+    """
+    order = list(anchor.blocks)
+    following = {name: order[index + 1] if index + 1 < len(order) else None for index, name in enumerate(order)}
+    freed = {}
+    for name, mode in modes.items():
+        account = anchor.blocks.get(name)
+        if account is None:
+            freed[name] = 0
+        elif mode == "selective":
+            freed[name] = account.saved_bytes - account.bytes_made_by(SAVED_OP_NAMES)
+        elif mode == "offload":
+            after = following[name]
+            moves_output = after is None or modes.get(after) == "offload"
+            freed[name] = account.saved_bytes + (account.output_bytes if moves_output else 0)
+        else:
+            freed[name] = account.saved_bytes
+    return freed

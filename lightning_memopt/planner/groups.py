@@ -1,7 +1,9 @@
 """The search over groups: cheapest group first by a lower bound on its step time, each searched from its anchor.
 
 In a group (a precision, attention kernel and micro-batch size), one fake-mode profile without
-checkpointing (the anchor) gives every checkpointing candidate's estimate
+checkpointing (the anchor) prices each block's checkpointing options, and the checkpointing
+frontier (:mod:`~lightning_memopt.planner.frontier`) gives the fastest per-block choices at
+:data:`FRONTIER_POINTS` activation targets, each a candidate estimated from the anchor
 (:mod:`~lightning_memopt.planner.estimate`); the cheapest estimates that could fit are then
 profiled with their checkpointing applied, until one fits. A group whose lower bound cannot beat
 the best plan found is not profiled. The first anchor also tells whether the model states fit the
@@ -19,16 +21,18 @@ from lightning_memopt.memory.tracker import CATEGORIES
 from lightning_memopt.memory.work import Work
 from lightning_memopt.planner.context import SearchContext
 from lightning_memopt.planner.cost import step_cost
-from lightning_memopt.planner.estimate import MOMENTS, StepEstimate, checkpointed, from_profile
+from lightning_memopt.planner.estimate import MOMENTS, STEP_MOMENTS, StepEstimate, checkpointed, from_profile
+from lightning_memopt.planner.frontier import ActivationPeaks, Frontier, block_options
 from lightning_memopt.planner.knobs import Knobs
 from lightning_memopt.planner.options import MeasuredOption, ResultChangingOption, measure_options
 from lightning_memopt.planner.report import Candidate, PlanError
 from lightning_memopt.planner.sharding import ShardedTraffic
-from lightning_memopt.planner.space import CHECKPOINT_LADDER, Group
+from lightning_memopt.planner.space import Group
 from lightning_memopt.vocabulary import format_bytes
 
 # estimates run up to 15 % over their profiles (offload, mixed precision): those within 20 % of the limit are profiled
 CONFIRM_WINDOW = 1.2
+FRONTIER_POINTS = 32  # the activation targets, from none checkpointed to the least, that each give a candidate
 
 
 def search_groups(
@@ -89,17 +93,15 @@ def _first_line(error: BaseException) -> str:
 def _search_group(search: SearchContext, group: Group, anchor: MemoryProfile, verify: int) -> Candidate | None:
     base = Knobs(group.precision, group.attn_impl, micro_batch_size=group.micro_batch_size)
     extra = search.accumulation_bytes(base)
-    confirmed = search.candidates_of(base, from_profile(anchor, extra), "profiled")
+    unchecked = from_profile(anchor, extra)
+    confirmed = search.candidates_of(base, unchecked, "profiled")
+    options = block_options(anchor, search.blocks, search.hardware, search.micro_batches(base), search.lean)
+    # what the step holds where checkpointing changes nothing (setup, the end of backward, the optimizer step)
+    floor = max((sum(unchecked.phases[m].values()) for m in unchecked.phases if m not in STEP_MOMENTS), default=0)
     estimates: list[Candidate] = []
-    seen: set[tuple[str, tuple[str, ...]]] = set()
-    for mode, every_n in CHECKPOINT_LADDER[1:]:
-        chosen = search.selections[every_n]
-        key = (mode, tuple(chosen))
-        if not chosen or key in seen:
-            continue
-        seen.add(key)
-        knobs = replace(base, checkpoint=mode, every_n=every_n)
-        estimates += search.candidates_of(knobs, checkpointed(anchor, chosen, mode, extra), "estimated")
+    for modes in Frontier(options, ActivationPeaks.of_step(unchecked)).points(FRONTIER_POINTS, floor):
+        knobs = base.with_block_modes(modes, options)
+        estimates += search.candidates_of(knobs, checkpointed(anchor, modes, extra, search.lean), "estimated")
     best = _cheapest_fitting(confirmed, None)
     ordered = sorted(estimates, key=lambda c: c.cost.total)
     tries = 0
@@ -135,9 +137,7 @@ def _confirm(search: SearchContext, knobs: Knobs, extra: int, estimates: list[Ca
     for candidate in replaced.values():
         search.candidates.remove(candidate)  # the profile replaces the estimate
     planned = next(iter(replaced.values())).estimate
-    profiled_estimate = replace(
-        from_profile(search.profile(unsharded), extra), regions=planned.regions, region_kernels=planned.region_kernels
-    )
+    profiled_estimate = replace(from_profile(search.profile(unsharded), extra), regions=planned.regions)
     confirmed = search.candidates_of(unsharded, profiled_estimate, "profiled")
     for candidate in confirmed:
         candidate.estimated_bytes = replaced[candidate.knobs].peak_bytes

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from typing_extensions import TypedDict
@@ -13,11 +14,14 @@ from lightning_memopt.planner.sharding import Sharding
 from lightning_memopt.vocabulary import (
     ATTENTION_IMPLS,
     CHECKPOINT_KNOBS,
+    CHECKPOINT_MODES,
     PRECISIONS,
     AttentionImpl,
     CheckpointKnob,
     PrecisionName,
 )
+
+PER_BLOCK = "per_block"  # the `checkpoint` knob when each block has a mode of its own (`checkpoint_blocks`)
 
 
 class KnobsMapping(TypedDict, total=False):
@@ -27,6 +31,7 @@ class KnobsMapping(TypedDict, total=False):
     attn_impl: AttentionImpl | None
     checkpoint: CheckpointKnob
     every_n: int
+    checkpoint_blocks: list[list[str]]
     micro_batch_size: int | None
     shards: int
     cpu_offload: bool
@@ -41,8 +46,12 @@ class Knobs:
         attn_impl: ``"sdpa"`` (fused attention) or ``"math"`` (materialised), or ``None`` to leave
             the model's attention as built.
         checkpoint: ``"none"``, ``"selective"``, ``"full"`` or ``"offload"`` on the model's blocks
-            (declared, else discovered, unless the plan was given other ``blocks``).
+            (declared, else discovered, unless the plan was given other ``blocks``), or ``"per_block"``:
+            the modes of ``checkpoint_blocks``.
         every_n: checkpoint every n-th of each run of sibling blocks (1: all of them).
+        checkpoint_blocks: with ``checkpoint="per_block"``, ``(module name, mode)`` pairs (or a mapping):
+            each named block checkpointed in its mode (``"full"``, ``"selective"``, ``"offload"``), the
+            others kept, as the planner's checkpointing frontier picks them.
         micro_batch_size: split each batch into micro-batches of this size, gradients accumulated
             into the same optimizer step; ``None``: whole batches.
         shards: FSDP (``fsdp_memopt``) over this many GPUs: each holds 1/``shards`` of the
@@ -64,6 +73,8 @@ class Knobs:
         {'modules': 'auto', 'every_n': 2, 'mode': 'full'}
         >>> Knobs("bf16-mixed", shards=4, cpu_offload=True).describe()
         'bf16-mixed, FSDP ×4, CPU offload'
+        >>> Knobs(checkpoint="per_block", checkpoint_blocks={"blocks.0": "full", "blocks.1": "selective"}).describe()
+        '32-true, per block: full ×1, selective ×1'
     """
 
     precision: str = "32-true"
@@ -73,12 +84,19 @@ class Knobs:
     micro_batch_size: int | None = None
     shards: int = 1
     cpu_offload: bool = False
+    checkpoint_blocks: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
         if self.attn_impl is not None:
             _check_choice("attn_impl", self.attn_impl, ATTENTION_IMPLS)
-        _check_choice("checkpoint", self.checkpoint, CHECKPOINT_KNOBS)
+        _check_choice("checkpoint", self.checkpoint, (*CHECKPOINT_KNOBS, PER_BLOCK))
+        object.__setattr__(self, "checkpoint_blocks", _block_modes(self.checkpoint_blocks))
+        if (self.checkpoint == PER_BLOCK) != bool(self.checkpoint_blocks):
+            raise ValueError(
+                f"`checkpoint_blocks` ({len(self.checkpoint_blocks)} given) go with `checkpoint`={PER_BLOCK!r} and "
+                f"only with it (got `checkpoint`={self.checkpoint!r}): give both or neither"
+            )
         # values as Hydra gives them ("off", 2.0) in their proper types, so equal knobs compare equal
         object.__setattr__(self, "every_n", check_int("every_n", self.every_n, minimum=1))
         object.__setattr__(self, "shards", check_int("shards", self.shards, minimum=1))
@@ -116,14 +134,35 @@ class Knobs:
         """
         if self.checkpoint == "none":
             return None
+        if self.checkpoint == PER_BLOCK:
+            return [{"modules": name, "mode": mode} for name, mode in self.checkpoint_blocks]
         return {"modules": blocks, "every_n": self.every_n if self.every_n > 1 else None, "mode": self.checkpoint}
+
+    def with_block_modes(self, modes: Mapping[str, str], blocks: Iterable[str]) -> Knobs:
+        """These knobs checkpointing ``modes`` (block name → mode): one mode on all of ``blocks`` is that mode.
+
+        Example::
+
+            >>> Knobs().with_block_modes({"a": "full", "b": "full"}, ["a", "b"]).checkpoint
+            'full'
+            >>> Knobs().with_block_modes({"a": "full"}, ["a", "b"]).checkpoint_blocks
+            (('a', 'full'),)
+        """
+        uniform = set(modes) == set(blocks) and len(set(modes.values())) == 1
+        if not modes or uniform:
+            mode = next(iter(modes.values()), "none")
+            return replace(self, checkpoint=mode, every_n=1, checkpoint_blocks=())
+        return replace(self, checkpoint=PER_BLOCK, every_n=1, checkpoint_blocks=tuple(modes.items()))
 
     def describe(self) -> str:
         """A short, readable form: ``"bf16-mixed, sdpa, full every 2, micro-batch 32, FSDP ×4, CPU offload"``."""
         parts = [self.precision]
         if self.attn_impl is not None:
             parts.append(self.attn_impl)
-        if self.checkpoint != "none":
+        if self.checkpoint == PER_BLOCK:
+            counts = Counter(mode for _, mode in self.checkpoint_blocks)
+            parts.append("per block: " + ", ".join(f"{mode} ×{count}" for mode, count in counts.items()))
+        elif self.checkpoint != "none":
             parts.append(self.checkpoint + (f" every {self.every_n}" if self.every_n > 1 else ""))
         if self.micro_batch_size is not None:
             parts.append(f"micro-batch {self.micro_batch_size}")
@@ -146,3 +185,22 @@ FIELDS = tuple(field.name for field in fields(Knobs))
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"Unknown `{name}`={value!r}; valid choices: {', '.join(choices)}")
+
+
+def _block_modes(values: Any) -> tuple[tuple[str, str], ...]:
+    """``checkpoint_blocks`` as ``(name, mode)`` pairs, from pairs (lists, as Hydra gives them) or a mapping."""
+    pairs = list(values.items()) if isinstance(values, Mapping) else values
+    if isinstance(pairs, str) or not isinstance(pairs, Iterable):
+        raise ValueError(f"`checkpoint_blocks`={values!r} must be (module name, mode) pairs or a mapping of them")
+    checked = []
+    for pair in pairs:
+        if isinstance(pair, str) or not isinstance(pair, Iterable) or len(pair := tuple(pair)) != 2:
+            raise ValueError(f"`checkpoint_blocks` entry {pair!r} must be a (module name, mode) pair")
+        name, mode = pair
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"`checkpoint_blocks` entry {pair!r}: the module name must be a non-empty string")
+        if mode not in CHECKPOINT_MODES:
+            choices = ", ".join(CHECKPOINT_MODES)
+            raise ValueError(f"`checkpoint_blocks` entry {pair!r}: unknown mode {mode!r}; valid choices: {choices}")
+        checked.append((name, str(mode)))
+    return tuple(checked)

@@ -24,6 +24,7 @@ from lightning_memopt.arguments import check_bool, check_int, check_optional_boo
 from lightning_memopt.checkpointing import Policy, check_blocks
 from lightning_memopt.memory.profile import LossFn, OptimizerSource
 from lightning_memopt.models.structure import model_structure
+from lightning_memopt.planner.checkpoint_budget import lean_blocks
 from lightning_memopt.planner.context import ROUND_TO, SearchContext
 from lightning_memopt.planner.groups import measure_chosen_options, search_groups
 from lightning_memopt.planner.hardware import Hardware
@@ -31,7 +32,6 @@ from lightning_memopt.planner.options import ResultChangingOption
 from lightning_memopt.planner.report import Plan, PlanError
 from lightning_memopt.planner.sharding import ShardedModel
 from lightning_memopt.planner.space import (
-    CHECKPOINT_LADDER,
     Group,
     check_choice_in,
     check_safety_margin,
@@ -153,9 +153,6 @@ def plan(
     found = Policy(blocks).matches(described)
     if not found and Policy(blocks).modules is not None:
         raise PlanError(f"`blocks`={blocks!r} match no module of the model; {describe_model(described)}")
-    selections = {
-        n: [name for name, _ in Policy(blocks, every_n=n).matches(described)] for n in {n for _, n in CHECKPOINT_LADDER}
-    }
     trainable = sum(p.numel() * 4 for p in described.parameters() if p.requires_grad)
     has_attention = bool(structure.attention)
     coupled = bool(getattr(described, "batch_coupled_loss", False))
@@ -199,7 +196,7 @@ def plan(
         gather_as_stored,
         blocks,
         [name for name, _ in found],
-        selections,
+        lean_blocks(found),
         trainable,
         progress_bar,
     )

@@ -1,7 +1,8 @@
 """The search space of :func:`~lightning_memopt.plan`, and the checks of the arguments that choose it.
 
 The search runs over groups of (precision, attention kernel, micro-batch size); in each, over the
-checkpointing ladder; and each step so found over the layouts (FSDP shard degree, CPU offload).
+checkpointing frontier (per-block choices); and each step so found over the layouts (FSDP shard
+degree, CPU offload).
 """
 
 from __future__ import annotations
@@ -13,18 +14,6 @@ from typing import Any
 
 from lightning_memopt.arguments import check_bool, check_fraction
 from lightning_memopt.planner.sharding import Sharding
-
-# checkpointing from cheapest to most saving: (mode, every_n)
-CHECKPOINT_LADDER = (
-    ("none", 1),
-    ("selective", 1),
-    ("full", 4),
-    ("full", 3),
-    ("full", 2),
-    ("full", 1),
-    ("offload", 2),
-    ("offload", 1),
-)
 
 
 @dataclass

@@ -55,13 +55,15 @@ def test_fit_checkpoints_during_training_gives_the_same_weights_and_restores_the
     callback = ActivationCheckpointing("preset")
     checkpointed = _fit(TinyViTModule(), callback)
     assert checkpointed.modes_seen == [["full", "full"]] * 2
-    assert callback.report.count == 8
+    assert callback.report.count == 6
     assert messages == [
-        "ActivationCheckpointing: wrapped 8 modules: full 8 (ConvNormAct ×6, ViTBlock ×2); blocks declared"
+        "ActivationCheckpointing: wrapped 6 modules: full 6 (ConvNormAct ×3, ViTBlock ×2, ConvNormActChain ×1); "
+        "blocks declared"
     ]
     assert all(checkpoint_mode(m) is None for m in checkpointed.modules())  # removed in teardown
+    # the head's stages recompute leanly (channel chunks, row tiles): equal within fp32 rounding, not bitwise
     for (name, expected), got in zip(reference.state_dict().items(), checkpointed.state_dict().values(), strict=True):
-        assert torch.equal(expected, got), name
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_layers_built_in_configure_model_are_checkpointed_before_the_strategy_wraps():

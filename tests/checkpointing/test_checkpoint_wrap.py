@@ -1,3 +1,4 @@
+import functools
 import pickle
 
 import pytest
@@ -54,18 +55,32 @@ def _train(name, policy, steps=3):
     return losses, grads, model.state_dict()
 
 
+# fully checkpointed, the normal head's deconv stages and 1×1 chain recompute leanly (channel chunks, row
+# tiles), which sums in another order: there the step is equal within fp32 rounding, not bitwise
+LEAN = {("sapiens_tiny", "preset"), ("sapiens_tiny", "every_n")}
+_within_rounding = functools.partial(torch.testing.assert_close, rtol=1e-4, atol=1e-5)
+
+
+def _bitwise(expected, got, msg=None):
+    assert torch.equal(expected, got), msg
+
+
 @pytest.mark.parametrize("policy", ["preset", "selective", "offload", "every_n"])
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_losses_gradients_and_buffers_are_bitwise_equal(name, policy):
     reference = _train(name, None)
     checkpointed = _train(name, policy)
     assert all(torch.isfinite(loss) for loss in reference[0])
-    assert all(torch.equal(a, b) for a, b in zip(reference[0], checkpointed[0], strict=True))
+    same = _within_rounding if (name, policy) in LEAN else _bitwise
+    for a, b in zip(reference[0], checkpointed[0], strict=True):
+        same(a, b)
     for expected, got in zip(reference[1], checkpointed[1], strict=True):
         assert expected.keys() == got.keys()
-        assert all(torch.equal(expected[key], got[key]) for key in expected), name
+        for key in expected:
+            same(expected[key], got[key], msg=key)
     # batch-norm running statistics are updated once per step, not again by the recomputation
-    assert all(torch.equal(reference[2][key], checkpointed[2][key]) for key in reference[2])
+    for key in reference[2]:
+        same(reference[2][key], checkpointed[2][key], msg=key)
 
 
 def test_batch_norm_counts_each_step_once():
@@ -76,11 +91,11 @@ def test_batch_norm_counts_each_step_once():
 
 def test_applying_twice_is_idempotent_and_a_new_mode_replaces_the_old():
     model = create_model("sapiens_tiny")
-    assert apply_activation_checkpointing(model, "preset") == 8  # two blocks, six head stages
+    assert apply_activation_checkpointing(model, "preset") == 6  # two blocks, three deconv stages, the 1×1 chain
     forward = model.backbone.blocks[0].forward
-    assert apply_activation_checkpointing(model, "preset") == 8
+    assert apply_activation_checkpointing(model, "preset") == 6
     assert model.backbone.blocks[0].forward is forward
-    assert checkpoint_modules(model, "selective").count == 8
+    assert checkpoint_modules(model, "selective").count == 6
     assert checkpoint_mode(model.backbone.blocks[0]) == "selective"
     assert model.backbone.blocks[0].forward is forward  # re-moded in place, never wrapped twice
 

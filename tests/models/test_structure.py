@@ -25,7 +25,7 @@ def _classes(found):
     ("name", "classes"),
     [
         ("r18", ["IBasicBlock"] * 8),
-        ("sapiens_tiny", ["ViTBlock"] * 2 + ["ConvNormAct"] * 6),
+        ("sapiens_tiny", ["ViTBlock"] * 2 + ["ConvNormAct"] * 3 + ["ConvNormActChain"]),
         ("cotracker2_tiny", ["BasicEncoder", "FullCorrelation"] + ["AttentionBlock"] * 4),
         ("cotracker3_tiny", ["BasicEncoder", "LocalCorrelation"] + ["AttentionBlock"] * 4),
     ],
@@ -66,9 +66,15 @@ def test_discovery_finds_the_repeated_blocks_of_foreign_models(model, names):
 
 
 def test_discovery_alone_finds_the_blocks_the_presets_declare():
-    for name in ("r18", "r50", "sapiens_tiny"):
+    for name in ("r18", "r50"):
         model = create_model(name)
         assert [n for n, _ in discover_blocks(model)] == model_structure(model).block_names, name
+    # the normal head declares its 1×1 stages as one block (recomputed over tiles); discovery finds them one by one
+    model = create_model("sapiens_tiny")
+    declared = model_structure(model).block_names
+    assert declared[-1] == "head.refine"
+    refine = [f"head.refine.{index}" for index in range(len(model.head.refine))]
+    assert [n for n, _ in discover_blocks(model)] == declared[:-1] + refine
 
 
 def test_a_cnn_whose_stages_hold_a_single_block_keeps_the_stages():

@@ -76,9 +76,11 @@ def test_checkpointing_estimates_are_close_to_their_profiles():
     # (sharded and offloaded ones hold no model states in their step's peak: the same bytes off are a larger share)
     confirmed = [c for c in result.candidates if c.estimated_bytes is not None and not c.knobs.sharding.active]
     assert confirmed
-    for candidate in confirmed:  # within 5% under (a plan that may not fit) and 15% over (a wasted budget)
+    # within 5% under (a plan that may not fit) and 20% over (a wasted budget: per-block mixes of offload and full
+    # checkpointing count each offloaded block's largest op as held again in its backward, up to 18% over)
+    for candidate in confirmed:
         error = (candidate.estimated_bytes - candidate.peak_bytes) / candidate.peak_bytes
-        assert -0.05 <= error <= 0.15, candidate
+        assert -0.05 <= error <= 0.20, candidate
 
 
 def test_micro_batching_is_left_out_when_the_loss_couples_the_batch():
@@ -262,8 +264,10 @@ def test_the_measured_cpu_prices_checkpointing_and_searches_math_attention():
 def test_checkpointing_host_cost_is_per_block_call_and_per_kernel_inside():
     hardware = replace(gpu("a100_80gb"), region_seconds={"full": (1e-3, 1e-5)})
     plain = step_cost(Work(kernels=100), Work(), hardware)
-    full = step_cost(Work(kernels=100), Work(), hardware, micro_batches=1, checkpoint_mode="full", regions=4,
-                     region_kernels=50)  # fmt: skip
+    full = step_cost(Work(kernels=100), Work(), hardware, micro_batches=1, regions={"full": (4, 50)})
     assert full.checkpointing == pytest.approx(4 * 1e-3 + 50 * 1e-5)
     assert full.total - plain.total == pytest.approx(full.checkpointing)
-    assert step_cost(Work(), Work(), gpu("a100_80gb"), checkpoint_mode="full", regions=4).checkpointing == 0
+    assert step_cost(Work(), Work(), gpu("a100_80gb"), regions={"full": (4, 0)}).checkpointing == 0
+    hardware = replace(hardware, region_seconds={"full": (1e-3, 0.0), "offload": (2e-3, 0.0)})
+    mixed = step_cost(Work(), Work(), hardware, micro_batches=2, regions={"full": (3, 0), "offload": (1, 0)})
+    assert mixed.checkpointing == pytest.approx(2 * (3 * 1e-3 + 1 * 2e-3))  # each mode at its own price

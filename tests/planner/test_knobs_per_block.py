@@ -1,0 +1,55 @@
+"""Knobs with a mode per block: checked, described, applied, and carried to memopt-train through Hydra."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from lightning_memopt.checkpointing import checkpoint_mode, checkpoint_modules
+from lightning_memopt.models import create_model
+from lightning_memopt.planner import Knobs
+from lightning_memopt.planner.command import train_command
+
+PAIRS = (("backbone.blocks.0", "full"), ("head.upsample.1", "selective"), ("head.refine", "offload"))
+
+
+def test_per_block_knobs_describe_apply_and_round_trip_as_hydra_lists():
+    knobs = Knobs("bf16-mixed", checkpoint="per_block", checkpoint_blocks=[list(pair) for pair in PAIRS])
+    assert knobs.checkpoint_blocks == PAIRS  # lists (as Hydra gives them) become pairs: equal knobs compare equal
+    assert knobs.describe() == "bf16-mixed, per block: full ×1, selective ×1, offload ×1"
+    assert Knobs.from_mapping(knobs.as_dict()) == knobs
+    model = create_model("sapiens_tiny")
+    report = checkpoint_modules(model, knobs.checkpoint_policy())
+    assert report.modules == dict(PAIRS)
+    assert checkpoint_mode(model.backbone.blocks[1]) is None
+    command = train_command(["model=sapiens_tiny"], knobs)
+    override = next(part for part in command.split() if "checkpoint_blocks" in part)
+    parsed = OverridesParser.create().parse_override(override.replace("'", ""))  # the shell removes the quotes
+    assert Knobs(checkpoint="per_block", checkpoint_blocks=parsed.value()).checkpoint_blocks == PAIRS
+
+
+def test_one_mode_on_every_block_is_that_mode():
+    blocks = ["a", "b"]
+    assert Knobs().with_block_modes({"a": "offload", "b": "offload"}, blocks) == Knobs(checkpoint="offload")
+    assert Knobs().with_block_modes({}, blocks) == Knobs()
+    assert Knobs().with_block_modes({"a": "full"}, blocks).checkpoint == "per_block"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"checkpoint": "per_block"}, r"`checkpoint_blocks` \(0 given\) go with `checkpoint`='per_block'"),
+        ({"checkpoint": "full", "checkpoint_blocks": PAIRS}, r"\(3 given\) go with .* \(got `checkpoint`='full'\)"),
+        (
+            {"checkpoint": "per_block", "checkpoint_blocks": [("a", "half")]},
+            r"unknown mode 'half'; valid choices: full",
+        ),
+        ({"checkpoint": "per_block", "checkpoint_blocks": [("a",)]}, r"entry \('a',\) must be a \(module name, mode\)"),
+        ({"checkpoint": "per_block", "checkpoint_blocks": "a=full"}, r"`checkpoint_blocks`='a=full' must be"),
+        ({"checkpoint": "per_block", "checkpoint_blocks": [("", "full")]}, r"module name must be a non-empty string"),
+        ({"checkpoint": "sometimes"}, r"Unknown `checkpoint`='sometimes'; valid choices: none, .*, per_block"),
+    ],
+)
+def test_bad_per_block_knobs_are_refused_naming_the_argument(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        Knobs(**arguments)
