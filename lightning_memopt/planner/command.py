@@ -34,7 +34,7 @@ def train_command(overrides: list[str], knobs: Knobs) -> str:
 
 
 def _hydra_value(value: Any) -> str:
-    """A knob's value as a Hydra override writes it (block modes as a quoted list of pairs)."""
+    """A knob's value as a Hydra override writes it (block modes as a list of pairs)."""
     if isinstance(value, tuple):
-        return "'[" + ",".join(f"[{name},{mode}]" for name, mode in value) + "]'"
+        return "[" + ",".join(f"[{name},{mode}]" for name, mode in value) + "]"
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

@@ -1,8 +1,8 @@
 """The lean recomputation of the normal head: channel chunks of one stage, spatial tiles of the 1×1 chain.
 
 What is bitwise equal to the plain module (``torch.equal``) and what only within fp32 rounding
-(``torch.testing.assert_close``, default fp32 tolerances) because chunks and tiles change the order
-of summation:
+(``torch.testing.assert_close``: default fp32 tolerances for chunks, ``CHAIN_TOLERANCE`` for the
+chain) because chunks and tiles change the order of summation:
 
 * bitwise: a stage in one chunk (the plain ops on the whole weight), and the fallbacks (plain
   checkpointing of a stage or chain the lean path refuses);
@@ -207,6 +207,14 @@ def test_frozen_parameters_and_an_input_without_gradient():
     plain = torch.autograd.grad(chain(x).square().sum(), list(trainable.values()))
     lean = torch.autograd.grad(tiled_conv_norm_act_chain(list(chain), x, 3).square().sum(), list(trainable.values()))
     _assert_close(list(trainable), plain, lean, **CHAIN_TOLERANCE)
+
+
+def test_the_chain_refuses_gradients_of_gradients():
+    chain = _chain()
+    x = torch.randn(2, 6, 7, 5, requires_grad=True)
+    (grad_x,) = torch.autograd.grad(chain.checkpointed_forward(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_x.sum().backward()
 
 
 def test_sapiens_checkpointed_with_auto_gives_the_gradients_of_the_plain_model():

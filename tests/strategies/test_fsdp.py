@@ -43,7 +43,7 @@ def test_the_registered_name_builds_fsdp2_with_its_defaults():
 def test_units_are_the_declared_blocks_then_the_root():
     model = create_model("sapiens_tiny", depth=3)
     units = shard_units(model)
-    expected = [*model.backbone.blocks, *model.head.upsample, *model.head.refine, model]
+    expected = [*model.backbone.blocks, *model.head.upsample, model.head.refine, model]  # the 1×1 chain: one unit
     assert [unit for _, unit in units] == expected
     assert names(units)[-1] == ""
 
