@@ -94,6 +94,7 @@ REGISTRY: dict[str, str | Renderer] = {
     "bad_inputs.csv": "bad_inputs:table",
     "concurrent_rows.csv": "concurrent_rows:table",
     "cli_startup.csv": "cli_startup:table",
+    "compile_budget.csv": "compile_budget:table",
 }
 
 MARKER = re.compile(r"<!-- table: (?P<key>[\w.-]+\.csv(?: [\w-]+)?) -->\n(?P<body>.*?)<!-- /table -->", re.S)
