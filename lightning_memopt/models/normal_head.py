@@ -79,12 +79,12 @@ class ConvNormActChain(nn.Sequential):
         return checkpoint(nn.Sequential.forward, self, x, use_reentrant=False)
 
     def lean_recompute(self) -> LeanRecompute:
-        """For the planner: one tile held again at a time; its backward recomputes stages 1…K once, then for each
-        stage k's statistics stages 1…k again and back-propagates them: (3K + 1) / 2 forwards of the chain in all
-        (a backward counted as two)."""
+        """For the planner: one tile held again at a time. Its backward recomputes the chain once, then for each
+        stage k's statistics stages 1…k again and back-propagates them: (K + 1) / 2 more forwards and as many more
+        backwards (each two forwards), 1 + 3(K + 1) / 2 forwards of the chain in all."""
         if not can_tile(list(self)):
             return LeanRecompute(held_fraction=1.0, forwards=1.0)
-        return LeanRecompute(held_fraction=1 / self.tiles, forwards=(3.0 * len(self) + 1.0) / 2.0)
+        return LeanRecompute(held_fraction=1 / self.tiles, forwards=1.0 + 1.5 * (len(self) + 1))
 
 
 class NormalHead(nn.Module):

@@ -44,9 +44,9 @@ class CheckpointChoice:
     def fits(self) -> bool:
         return self.activation_bytes <= self.target_bytes
 
-    def policy(self) -> list[dict[str, str]] | str:
-        """The policy for :func:`~lightning_memopt.checkpointing.apply_activation_checkpointing` (``"auto"`` when
-        nothing is checkpointed is never returned: an empty choice gives an empty list)."""
+    def policy(self) -> list[dict[str, str]]:
+        """The policy for :func:`~lightning_memopt.checkpointing.apply_activation_checkpointing` (empty: nothing to
+        checkpoint)."""
         return [{"modules": name, "mode": mode} for name, mode in self.modes.items()]
 
     def describe(self) -> str:
