@@ -31,6 +31,7 @@ NOT_CONFIGURED = {
 # arguments whose type really is anything
 ANY_ALLOWED = {
     ("MemoryBudget", "sample_batch"): "a batch in whatever form the module's training_step takes",
+    ("ActivationCheckpointing", "sample_batch"): "a batch in whatever form the module's training_step takes",
 }
 
 

@@ -44,7 +44,9 @@ class ActivationCheckpointing(Callback):
             and the repeated blocks discovered where it declares none, so it works on any model;
             ``"selective"``, ``"offload"`` and ``"every_n"`` act on the same blocks in those ways. Or a
             module class, dotted class path or name glob, a mapping ``{modules, every_n, mode}``, or a list
-            of those (the first to match a module decides).
+            of those (the first to match a module decides). ``{"budget": b}``: see below.
+        sample_batch: the batch a ``{"budget": b}`` policy plans with, in the form the module's
+            ``training_step`` takes; default: the first training batch. Unused by the other policies.
 
     Raises:
         MisconfigurationException: a malformed policy (in ``__init__``), or one that matches no
@@ -52,7 +54,7 @@ class ActivationCheckpointing(Callback):
 
     ``{"budget": b}`` (``b`` a fraction in (0, 1] of the activation peak without checkpointing, or
     bytes) chooses each block's mode itself: in ``setup`` of a fit, rank 0 profiles one step on
-    ``sample_batch`` (default: the first training batch) in fake mode, prices every block's
+    ``sample_batch`` in fake mode, prices every block's
     options for the run's device and precision, and picks the fastest set within the budget (the
     checkpointing knapsack, :func:`~lightning_memopt.planner.plan_checkpointing`); every
     rank applies rank 0's choice. Out of reach, the least activation peak is applied, with a warning.

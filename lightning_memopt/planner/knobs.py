@@ -31,10 +31,10 @@ class KnobsMapping(TypedDict, total=False):
     attn_impl: AttentionImpl | None
     checkpoint: CheckpointKnob
     every_n: int
-    checkpoint_blocks: list[list[str]]
     micro_batch_size: int | None
     shards: int
     cpu_offload: bool
+    checkpoint_blocks: list[list[str]]
 
 
 @dataclass(frozen=True)

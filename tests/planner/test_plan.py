@@ -107,7 +107,8 @@ def test_several_gpus_add_sharded_and_offloaded_candidates_of_every_profiled_ste
             sharded = sum(candidate.estimate.phases["optimizer"][k] for k in states)
             whole = sum(source.estimate.phases["optimizer"][k] for k in states)
             assert sharded == 0 if candidate.knobs.cpu_offload else sharded < whole / candidate.knobs.shards * 1.1
-            assert (candidate.host_bytes > 0) == candidate.knobs.cpu_offload
+            # offloaded activations (per-block offload) are on the host either way; the states only with cpu_offload
+            assert (candidate.host_bytes > source.host_bytes) == candidate.knobs.cpu_offload
             assert candidate.cost.communication > 0 or candidate.knobs.shards == 1
 
 
