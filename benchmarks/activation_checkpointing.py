@@ -11,7 +11,12 @@ activations are host memory and are reported apart.
 
 Time: real CPU steps of every policy interleaved in one process, ``--rounds`` times each after one
 untimed warm-up step per policy; the fastest step of each policy over the fastest without
-checkpointing. CoTracker3 is timed at 384 tracks (its bytes are counted at 768): a real fp32 step
+checkpointing.
+
+``budget=0.5`` is the checkpointing knapsack (``plan_checkpointing``) asked for half the activation peak
+without checkpointing: per block keep / selective / full / offload, the fastest set within that budget as
+priced for this CPU (measured by ``measure_cpu``), so the choice is the one a user of this machine would get.
+CoTracker3 is timed at 384 tracks (its bytes are counted at 768): a real fp32 step
 at 768 tracks holds about 21 GB of activations, more than a 24 GB CPU machine has free.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +37,7 @@ from torch import nn
 from lightning_memopt.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_memopt.memory import profile_step
 from lightning_memopt.models import create_model
+from lightning_memopt.planner import plan_checkpointing
 
 POLICIES: dict[str, Any] = {
     "none": None,
@@ -39,6 +46,7 @@ POLICIES: dict[str, Any] = {
     "selective": "selective",
     "offload": "offload",
 }
+KNAPSACK_BUDGET = 0.5  # the knapsack at selective's target: half the activations
 _MIB = 2**20
 
 
@@ -90,6 +98,21 @@ CASES = {
 }
 
 
+def _loss_fn(case: Case) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]:
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return case.loss(model(*batch))
+
+    return loss_fn
+
+
+def policies_of(case: Case) -> tuple[dict[str, Any], str]:
+    """The fixed policies and the knapsack's choice at :data:`KNAPSACK_BUDGET` for ``case``, and that choice."""
+    choice = plan_checkpointing(case.build, case.batch(), KNAPSACK_BUDGET, loss_fn=_loss_fn(case))
+    chosen = Counter(choice.modes.values())
+    described = "knapsack: " + ", ".join(f"{mode} ×{count}" for mode, count in sorted(chosen.items()))
+    return {**POLICIES, f"budget={KNAPSACK_BUDGET}": choice.policy()}, described
+
+
 def activation_peak(case: Case, policy: Any) -> tuple[int, int]:
     """(activation peak, peak offloaded host bytes) of one forward + backward, counted in fake mode."""
 
@@ -99,13 +122,10 @@ def activation_peak(case: Case, policy: Any) -> tuple[int, int]:
         if policy is not None:
             apply_activation_checkpointing(model, policy)
 
-    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return case.loss(model(*batch))
-
     profile = profile_step(
         case.build,
         case.batch(),
-        loss_fn=loss_fn,
+        loss_fn=_loss_fn(case),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.0),
         mode="fake",
         steps=1,
@@ -115,14 +135,14 @@ def activation_peak(case: Case, policy: Any) -> tuple[int, int]:
     return profile.peak_bytes - static, profile.offloaded_bytes
 
 
-def step_times(case: Case, rounds: int) -> dict[str, float]:
+def step_times(case: Case, policies: dict[str, Any], rounds: int) -> dict[str, float]:
     """The fastest real CPU step of each policy, the policies interleaved round by round."""
     torch.manual_seed(0)
     model = case.build()
     batch = (case.timing_batch or case.batch)()
-    times: dict[str, list[float]] = {name: [] for name in POLICIES}
+    times: dict[str, list[float]] = {name: [] for name in policies}
     for round_index in range(rounds + 1):
-        for name, policy in POLICIES.items():
+        for name, policy in policies.items():
             remove_activation_checkpointing(model)
             if policy is not None:
                 apply_activation_checkpointing(model, policy)
@@ -136,11 +156,12 @@ def step_times(case: Case, rounds: int) -> dict[str, float]:
 
 def measure(key: str, rounds: int) -> list[dict]:
     case = CASES[key]
-    peaks = {name: activation_peak(case, policy) for name, policy in POLICIES.items()}
-    times = step_times(case, rounds) if rounds else {}
+    policies, chosen = policies_of(case)
+    peaks = {name: activation_peak(case, policy) for name, policy in policies.items()}
+    times = step_times(case, policies, rounds) if rounds else {}
     baseline_bytes = peaks["none"][0]
     rows = []
-    for name in POLICIES:
+    for name in policies:
         activation, host = peaks[name]
         rows.append(
             {
@@ -151,13 +172,17 @@ def measure(key: str, rounds: int) -> list[dict]:
                 "offloaded_mib": host / _MIB,
                 "step_time_ratio": times[name] / times["none"] if times else float("nan"),
                 "step_seconds": times.get(name, float("nan")),
-                "note": case.timing_note,
+                "note": "; ".join(filter(None, (chosen if name.startswith("budget") else "", case.timing_note))),
             }
         )
     return rows
 
 
-_POLICY_LABELS = {"none": "none", "full": "full (`preset`)"}
+_POLICY_LABELS = {
+    "none": "none",
+    "full": "full (`preset`)",
+    f"budget={KNAPSACK_BUDGET}": f"knapsack at {KNAPSACK_BUDGET}",
+}
 
 
 def table(path: Path) -> str:
@@ -166,7 +191,7 @@ def table(path: Path) -> str:
     for row in read_rows(path):
         model = row["model"].replace(" (", ", ").rstrip(")")
         policy = row["policy"]
-        bold = "**" if policy in ("full", "selective") else ""
+        bold = "**" if policy in ("full", "selective") or policy.startswith("budget") else ""
         offloaded = float(row["offloaded_mib"])
         lines.append(
             [
