@@ -87,3 +87,17 @@ def test_the_function_refuses_a_budget_and_says_what_measures_one():
     ):
         apply_activation_checkpointing(create_model("iresnet_tiny"), {"budget": 0.5})
     assert ActivationBudget(3 * 2**30).describe() == "budget(3221225472 bytes, auto)"
+
+
+def test_under_ddp_every_rank_applies_rank_zeros_choice(tmp_path):
+    from pathlib import Path
+
+    from tests.helpers import run_script
+
+    script = Path(__file__).with_name("checkpoint_budget_ddp_run.py")
+    result = run_script(script, [str(tmp_path)], cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    rank0, rank1 = (torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1))
+    assert rank0["chosen"] and rank0["chosen"] == rank1["chosen"]
+    assert rank0["wrapped"] == rank0["chosen"] and rank1["wrapped"] == rank1["chosen"]  # chosen is what was wrapped
+    assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"], strict=True))
