@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from helpers import run_script
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from test_activation_checkpointing import TinyViTModule, _fit
 
@@ -90,10 +93,6 @@ def test_the_function_refuses_a_budget_and_says_what_measures_one():
 
 
 def test_under_ddp_every_rank_applies_rank_zeros_choice(tmp_path):
-    from pathlib import Path
-
-    from tests.helpers import run_script
-
     script = Path(__file__).with_name("checkpoint_budget_ddp_run.py")
     result = run_script(script, [str(tmp_path)], cwd=tmp_path, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
