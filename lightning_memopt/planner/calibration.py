@@ -18,6 +18,7 @@ from torch import nn
 from lightning_memopt.checkpointing.wrap import checkpoint_modules
 from lightning_memopt.memory.work import WorkCounter
 from lightning_memopt.planner.hardware import Hardware
+from lightning_memopt.private_api import disable_current_modes
 from lightning_memopt.vocabulary import CHECKPOINT_KNOBS, CHECKPOINT_MODES, GB, MIB
 
 
@@ -26,8 +27,14 @@ def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5) -> Hardwar
     host time per kernel and what checkpointing one of its blocks adds in each mode.
 
     ``memory_bytes`` is the budget (a :class:`~lightning_memopt.memory.SimulatedDevice`'s); the
-    host link, the peer link and the host's memory bandwidth are a copy in memory.
+    host link, the peer link and the host's memory bandwidth are a copy in memory. Its tensors are the
+    host's own: a tracker, fake mode or ``SimulatedDevice`` around the call sees none of them.
     """
+    with disable_current_modes():
+        return _timed_rates(memory_bytes, size, repeats)
+
+
+def _timed_rates(memory_bytes: int, size: int, repeats: int) -> Hardware:
     a = torch.randn(size, size)
     half = a.bfloat16()
     big = torch.empty(8 * MIB // 4)

@@ -262,6 +262,13 @@ def test_the_measured_cpu_prices_checkpointing_and_searches_math_attention():
     assert all(per_call >= 0 and per_kernel >= 0 for per_call, per_kernel in cpu.region_seconds.values())
 
 
+def test_the_calibration_is_invisible_to_a_simulated_device_around_it():
+    # MemoryBudget(budget=...) plans inside the SimulatedDevice it plans for: timing the host must not run it out
+    with SimulatedDevice(2**20) as device:
+        cpu = measure_cpu(2**20)
+    assert cpu.memory_bytes == 2**20 and device.oom_count == 0 and device.peak.total_bytes == 0
+
+
 def test_checkpointing_host_cost_is_per_block_call_and_per_kernel_inside():
     hardware = replace(gpu("a100_80gb"), region_seconds={"full": (1e-3, 1e-5)})
     plain = step_cost(Work(kernels=100), Work(), hardware)

@@ -1,0 +1,140 @@
+"""GPU truth: every memory and time claim re-measured on a CUDA device, in one command.
+
+    python benchmarks/gpu_truth.py            # every preset, ≤ 10 minutes on one H100 → gpu_truth.csv / .md
+    python benchmarks/gpu_truth.py --quick    # one preset per family, ≤ 3 minutes → gpu_truth_quick.csv / .md
+    python benchmarks/gpu_truth.py --dry-run  # the tiny presets on the CPU: the same code path (what CI runs)
+    python benchmarks/gpu_truth.py --table [--csv benchmarks/gpu_truth.csv]   # the markdown from a CSV
+
+Sections (one CSV, one markdown table per section, the device and its driver in the first row):
+
+- prediction: each preset at a reduced input, fp32 and bf16-mixed, with and without its blocks
+  checkpointed: the fake-mode peak (nothing allocated, computed in worker processes) against
+  ``torch.cuda.max_memory_allocated``, beside ``max_memory_reserved``. A prediction more than 10% off fails.
+- planner: MemoryBudget plans for a device of 60% of the case's unchecked fp32 peak; the fit runs with the
+  device capped there (``set_per_process_memory_fraction``): its chosen knobs, predicted and real peaks.
+- step time: forward + backward under none / selective / full / offload, and bf16-mixed against 32-true.
+- monitor: MemoryMonitor's allocator figures, and a fit's time with it over without.
+- oom recovery: a device capped between the whole batch's peak and half's; AdaptiveAccumulation must recover
+  with the gradients of the whole batch.
+- overflow: PrecisionSwitch 16-mixed with an inf gradient injected: the scaler skips the step, halves the scale.
+- cuda tests: ``pytest -m cuda`` over the project's tests.
+
+It exits with 1 when any check fails (a prediction more than 10% off included), after writing everything.
+On a CPU it runs ``--dry-run`` only: the tiny presets, the tracker for the allocator and a
+``SimulatedDevice`` for the capped device. How to recalibrate the planner from the CSV: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+
+from results import read_rows, write_csv
+from truth_cases import SUITES
+from truth_device import TruthDevice
+from truth_memory import planned_row, prediction_rows
+from truth_recovery import cuda_tests_row, overflow_row, recovery_row
+from truth_rows import failed, markdown, row
+from truth_runtime import monitor_rows, step_time_rows
+
+_HERE = Path(__file__).resolve().parent
+
+
+def device_row(device: TruthDevice, suite: str) -> dict:
+    """The first row: what the truth was measured on, when, and with which suite."""
+    return row(
+        "device",
+        device.name,
+        device.driver,
+        note=f"{device.total_bytes / 2**30:.1f} GiB; CUDA context {device.context_bytes / 2**20:.0f} MiB; "
+        f"suite {suite}; {date.today().isoformat()}",
+    )
+
+
+def measure(device: TruthDevice, suite_name: str, workers: int) -> list[dict]:
+    """Every section's rows, printed as each section ends."""
+    suite = SUITES[suite_name]
+    rows = [device_row(device, suite_name)]
+
+    def section(name: str, produce: Callable[[], list[dict]]) -> None:
+        started = time.perf_counter()
+        produced = produce()
+        rows.extend(produced)
+        for line in produced:
+            flag = {"yes": "ok  ", "no": "FAIL"}.get(line["passed"], "    ")
+            figures = ", ".join(
+                f"{key} {float(line[key]):.4g}"
+                for key in ("predicted_mib", "allocated_mib", "reserved_mib", "deviation", "seconds", "ratio")
+                if str(line[key]) != "nan"
+            )
+            print(f"{flag} {name:<13}{line['case']:<30}{line['variant']:<40}{figures}  {line['note']}", flush=True)
+        print(f"     {name}: {time.perf_counter() - started:.0f} s", flush=True)
+
+    unchecked: dict[str, int] = {}
+
+    def predictions() -> list[dict]:
+        produced, peaks = prediction_rows(device, suite_name, workers)
+        unchecked.update(peaks)
+        return produced
+
+    section("prediction", predictions)
+    section("planner", lambda: [planned_row(device, case, unchecked[case.name]) for case in suite.planning])
+    section("step time", lambda: [r for case in suite.timings for r in step_time_rows(device, case, suite.rounds)])
+    section("monitor", lambda: monitor_rows(device, suite.monitor, suite.monitor_steps, suite.rounds))
+    section("oom recovery", lambda: [recovery_row(device, suite.recovery)])
+    section("overflow", lambda: [overflow_row(device, suite.overflow)])
+    section("cuda tests", lambda: [cuda_tests_row(device)])
+    return rows
+
+
+def document(rows: list[dict]) -> str:
+    """The markdown: the device line, then a table per section."""
+    first = rows[0]
+    heading = f"Measured on {first['case']} ({first['variant']}; {first['note']})."
+    return heading + "\n\n" + markdown(rows[1:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--quick", action="store_true", help="one preset per family (≤ 3 minutes on one H100)")
+    which.add_argument("--dry-run", action="store_true", help="the tiny presets on the CPU, as CI runs it")
+    parser.add_argument("--csv", type=Path, help="where to write (default: benchmarks/gpu_truth[_quick].csv; "
+                        "a temporary folder for --dry-run); the markdown goes beside it (.md)")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
+                        help="processes computing the fake-mode predictions")  # fmt: skip
+    parser.add_argument("--table", action="store_true", help="print the markdown of --csv and stop")
+    args = parser.parse_args()
+    suite = "dry" if args.dry_run else "quick" if args.quick else "full"
+    default_folder = Path(tempfile.mkdtemp(prefix="gpu_truth_")) if args.dry_run else _HERE
+    csv_path = args.csv or default_folder / {"dry": "gpu_truth_dry_run.csv", "quick": "gpu_truth_quick.csv",
+                                             "full": "gpu_truth.csv"}[suite]  # fmt: skip
+    if args.table:
+        print(document(read_rows(csv_path)))
+        return 0
+    if args.workers < 1:
+        parser.error(f"--workers={args.workers} must be at least 1")
+    device = TruthDevice.detect(prefer_cuda=not args.dry_run)
+    if not device.is_cuda and not args.dry_run:
+        parser.error("no CUDA device here: run it on a GPU machine, or check the code path with --dry-run")
+    print(f"gpu_truth ({suite}) on {device.describe()}", flush=True)
+    rows = measure(device, suite, args.workers)
+    write_csv(csv_path, rows)
+    markdown_path = csv_path.with_suffix(".md")
+    markdown_path.write_text(document(rows) + "\n")
+    print(f"wrote {markdown_path}")
+    failures = failed(rows)
+    for line in failures:
+        print(f"FAILED {line['section']}: {line['case']}, {line['variant']}: {line['note']}", file=sys.stderr)
+    print(f"{len(failures)} of {sum(1 for line in rows if line['passed'])} checks failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

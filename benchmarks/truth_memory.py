@@ -1,0 +1,140 @@
+"""gpu_truth.py's memory rows: the fake-mode prediction against the device's peak, and MemoryBudget's plan run.
+
+Predictions run in worker processes (fake mode uses the CPU only) while the device measures the real
+steps; every prediction is counted at 512-byte granularity, as the CUDA caching allocator rounds.
+
+Example::
+
+    >>> [_variant(*variant) for variant in VARIANTS[:2]]
+    ['32-true, checkpointing none', '32-true, checkpointing preset']
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+from truth_cases import SUITES, Case, repeated
+from truth_device import Peak, TruthDevice
+from truth_rows import row
+
+from lightning_memopt.callbacks import AdaptiveAccumulation, MemoryBudget
+from lightning_memopt.checkpointing import apply_activation_checkpointing
+from lightning_memopt.memory import profile_step
+from lightning_memopt.vocabulary import GIB
+
+# (precision, checkpointing policy): fp32 and bf16-mixed, without and with the preset's blocks checkpointed
+VARIANTS = (("32-true", None), ("32-true", "preset"), ("bf16-mixed", None), ("bf16-mixed", "preset"))
+PREDICTION_TOLERANCE = 0.10  # a prediction more than 10% off the allocator's peak fails the run
+CAP_SHARE = 0.6  # the planner is given a device of 60% of the case's unchecked fp32 peak
+
+
+def _prepare(policy: str | None) -> Any:
+    return None if policy is None else lambda module: apply_activation_checkpointing(module, policy)
+
+
+def predicted_peak(suite: str, index: int, precision: str, policy: str | None) -> int:
+    """Fake-mode peak of case ``index`` of ``suite``'s predictions (run in a worker: cases are found by index)."""
+    torch.set_num_threads(1)
+    case = SUITES[suite].predictions[index]
+    profile = profile_step(
+        case.build, case.batch(), mode="fake", precision=precision, prepare_model=_prepare(policy), round_to=512
+    )
+    return profile.peak_bytes
+
+
+def measured_peak(device: TruthDevice, case: Case, precision: str, policy: str | None) -> Peak:
+    """The same two steps run on ``device``: the allocator's peaks on CUDA, the tracker's on the CPU."""
+    device.release()
+    torch.manual_seed(0)
+    with device.device:
+        module = case.build()
+    profile = profile_step(
+        module,
+        device.to_device(case.batch()),
+        mode="real",
+        precision=precision,
+        prepare_model=_prepare(policy),
+        round_to=512,
+    )
+    reserved = torch.cuda.max_memory_reserved(device.device) if device.is_cuda else math.nan
+    del module
+    device.release()
+    return Peak(profile.peak_bytes, reserved)
+
+
+def _variant(precision: str, policy: str | None) -> str:
+    return f"{precision}, checkpointing {policy or 'none'}"
+
+
+def prediction_rows(device: TruthDevice, suite: str, workers: int) -> tuple[list[dict], dict[str, int]]:
+    """One row per case and variant, and each case's measured unchecked fp32 peak (for the planner rows)."""
+    cases = SUITES[suite].predictions
+    context = multiprocessing.get_context("spawn")  # never fork a process that has started CUDA
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures: dict[tuple[int, str, str | None], Future[int]] = {
+            (index, precision, policy): pool.submit(predicted_peak, suite, index, precision, policy)
+            for index in range(len(cases))
+            for precision, policy in VARIANTS
+        }
+        measured = {
+            (index, precision, policy): measured_peak(device, case, precision, policy)
+            for index, case in enumerate(cases)
+            for precision, policy in VARIANTS
+        }
+        rows = []
+        for (index, precision, policy), future in futures.items():
+            peak, predicted = measured[index, precision, policy], future.result()
+            deviation = predicted / peak.allocated - 1
+            rows.append(
+                row(
+                    "prediction",
+                    cases[index].name,
+                    _variant(precision, policy),
+                    predicted=predicted,
+                    peak=peak,
+                    deviation=deviation,
+                    passed=abs(deviation) <= PREDICTION_TOLERANCE,
+                )
+            )
+    unchecked = {cases[index].name: measured[index, "32-true", None].allocated for index in range(len(cases))}
+    return rows, unchecked
+
+
+def _accumulation(budget: MemoryBudget) -> AdaptiveAccumulation:
+    return next(callback for callback in budget.applied if isinstance(callback, AdaptiveAccumulation))
+
+
+def planned_row(device: TruthDevice, case: Case, unchecked_peak: int) -> dict:
+    """MemoryBudget plans ``case`` for a device of :data:`CAP_SHARE` of its unchecked peak; the fit runs capped."""
+    cap = int(CAP_SHARE * unchecked_peak)
+    device.release()
+    torch.manual_seed(0)
+    module: nn.Module = case.build()
+    budget = MemoryBudget(budget=cap / GIB)
+    trainer = device.trainer(2, [budget])
+    failure = ""
+    with device.capped(cap, include=(module,)) as peak:
+        try:
+            trainer.fit(module, repeated(case.batch(), 2))
+        except torch.OutOfMemoryError as error:
+            failure = f"; the fit ran out of memory: {str(error).splitlines()[0]}"
+    plan = budget.plan
+    recoveries = _accumulation(budget).sizer.oom_recoveries if plan is not None else 0
+    predicted = plan.chosen.peak_bytes if plan is not None else 0
+    deviation = predicted / peak.allocated - 1 if peak.allocated else math.nan
+    held = peak.allocated if math.isnan(peak.reserved) else peak.reserved
+    return row(
+        "planner",
+        case.name,
+        plan.chosen.knobs.describe() if plan is not None else "no plan",
+        predicted=predicted,
+        peak=peak,
+        deviation=deviation,
+        passed=not failure and recoveries == 0 and held <= cap and abs(deviation) <= PREDICTION_TOLERANCE,
+        note=f"device capped at {cap / 2**20:.0f} MiB; {recoveries} OOM recovered{failure}",
+    )

@@ -1,0 +1,153 @@
+"""gpu_truth.py's failure rows: a real OOM recovered, a 16-mixed overflow skipped, and the project's ``cuda`` tests.
+
+Example::
+
+    >>> relative_difference([torch.ones(3)], [torch.ones(3)])
+    0.0
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from truth_cases import Case, repeated
+from truth_device import TruthDevice
+from truth_rows import row
+
+from lightning_memopt.callbacks import AdaptiveAccumulation, PrecisionSwitch
+
+_TESTS = Path(__file__).resolve().parents[1] / "tests"
+GRADIENT_TOLERANCE = 1e-3  # a recovered step's gradients against the whole batch's, relative (norm of the difference)
+
+
+class FirstGradients(pl.Callback):
+    """Host copies of the gradients at the first optimizer step (after every micro-batch was accumulated)."""
+
+    def __init__(self) -> None:
+        self.gradients: list[torch.Tensor] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if not self.gradients:
+            self.gradients = [p.grad.detach().to("cpu", copy=True) for p in pl_module.parameters() if p.grad is not None]
+
+
+def relative_difference(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """‖ours − reference‖ / ‖reference‖ over all the tensors together."""
+    difference = sum(float((a.double() - b.double()).square().sum()) for a, b in zip(ours, reference))
+    return (difference / sum(float(b.double().square().sum()) for b in reference)) ** 0.5
+
+
+def _batch_size(batch: Any) -> int:
+    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return int(first.shape[0])
+
+
+def recovery_row(device: TruthDevice, case: Case, steps: int = 2) -> dict:
+    """A device capped between the whole batch's peak and half's: AdaptiveAccumulation must recover, same gradients."""
+    batch = case.batch()
+    size = _batch_size(batch)
+
+    def fit(callbacks: list[pl.Callback], cap: int | None = None) -> tuple[FirstGradients, Any]:
+        device.release()
+        torch.manual_seed(0)
+        module, gradients = case.build(), FirstGradients()
+        trainer = device.trainer(steps, [*callbacks, gradients])
+        measuring = device.peaks(include=(module,)) if cap is None else device.capped(cap, include=(module,))
+        with measuring as peak:
+            trainer.fit(module, repeated(batch, steps))
+        return gradients, peak
+
+    reference, whole = fit([])
+    _, half = fit([AdaptiveAccumulation(micro_batch_size=size // 2)])
+    held = [peak.allocated if not device.is_cuda else peak.reserved for peak in (whole, half)]
+    cap = int(sum(held) / 2)
+    accumulation = AdaptiveAccumulation()
+    recovered, peak = fit([accumulation], cap)
+    sizer = accumulation.sizer
+    difference = relative_difference(recovered.gradients, reference.gradients)
+    return row(
+        "oom recovery",
+        case.name,
+        f"device capped at {cap / 2**20:.0f} MiB (whole batch {held[0] / 2**20:.0f}, half {held[1] / 2**20:.0f})",
+        peak=peak,
+        ratio=difference,
+        passed=sizer.oom_recoveries >= 1 and (sizer.size or size) < size and difference <= GRADIENT_TOLERANCE,
+        note=f"{sizer.oom_recoveries} OOM recovered; micro-batches of {sizer.size} (of {size}); "
+        f"ratio: gradients' relative difference to the whole batch's (≤ {GRADIENT_TOLERANCE:g})",
+    )
+
+
+class InjectedOverflow(pl.Callback):
+    """At optimizer step ``step``, a gradient set to inf after the backward: the scaler must skip the step."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+        self.before: list[torch.Tensor] = []
+        self.unchanged = False
+        self.scales: tuple[float, float] = (0.0, 0.0)
+
+    def _scale(self, trainer: pl.Trainer) -> float:
+        return float(trainer.precision_plugin.scaler.get_scale())
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            self.before = [p.detach().clone() for p in pl_module.parameters()]
+            self.scales = (self._scale(trainer), 0.0)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step == self.step:
+            next(p for p in pl_module.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.before and not self.scales[1]:
+            self.unchanged = all(torch.equal(a, b) for a, b in zip(self.before, pl_module.parameters()))
+            self.scales = (self.scales[0], self._scale(trainer))
+
+
+def overflow_row(device: TruthDevice, case: Case, steps: int = 3) -> dict:
+    """PrecisionSwitch 16-mixed with one injected overflow: step skipped, scale halved, training goes on finite."""
+    device.release()
+    torch.manual_seed(0)
+    module, overflow = case.build(), InjectedOverflow()
+    trainer = device.trainer(steps, [PrecisionSwitch("16-mixed"), overflow])
+    trainer.fit(module, repeated(case.batch(), steps))
+    finite = all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    before, after = overflow.scales
+    return row(
+        "overflow",
+        case.name,
+        "16-mixed, inf gradient at step 1",
+        ratio=after / before if before else float("nan"),
+        passed=overflow.unchanged and after == before / 2 and finite and trainer.global_step == steps,
+        note=f"step skipped: {overflow.unchanged}; loss scale {before:g} → {after:g} (ratio); "
+        f"parameters finite: {finite}; {trainer.global_step} of {steps} steps",
+    )
+
+
+def cuda_test_files() -> list[Path]:
+    """The test files with tests marked ``cuda``."""
+    return sorted(path for path in _TESTS.rglob("test_*.py") if "pytest.mark.cuda" in path.read_text())
+
+
+def cuda_tests_row(device: TruthDevice) -> dict:
+    """``pytest -m cuda`` over the files that have such tests: all pass on CUDA (all skip on a CPU)."""
+    files = cuda_test_files()
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *map(str, files)]
+    done = subprocess.run(command, cwd=_TESTS.parent, capture_output=True, text=True, timeout=600, check=False)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr.strip()[-300:]
+    counts = {word: int(number) for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
+    ran = counts.get("passed", 0) if device.is_cuda else counts.get("skipped", 0)
+    bad = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+    return row(
+        "cuda tests",
+        f"{len(files)} files",
+        "pytest -m cuda",
+        passed=done.returncode == 0 and ran > 0 and bad == 0,
+        note=summary,
+    )
