@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_memopt.memory import profile_step
+from lightning_memopt.memory import SimulatedDevice, profile_step
 from lightning_memopt.models import create_model
 from lightning_memopt.tasks import FaceRecognitionModule, NormalEstimationModule
 
@@ -62,6 +62,16 @@ def test_fake_mode_allocates_nothing_for_a_large_model():
     assert profile.breakdown["parameters"] == pytest.approx(65.16e6 * 4, rel=0.005)
     assert profile.breakdown["activations"] > profile.breakdown["parameters"]  # batch 64 at 112²
     assert profile.activations_by_module["layer1"] > profile.activations_by_module["layer4"]
+
+
+def test_a_prediction_is_invisible_to_a_simulated_device_around_it():
+    # MemoryBudget plans in fake mode inside the SimulatedDevice it plans for: a 4 MiB layer's step on a 1 MiB device
+    batch = torch.randn(8, 1024)
+    with SimulatedDevice(2**20) as device:
+        profile = profile_step(lambda: nn.Linear(1024, 1024), batch, loss_fn=lambda m, x: m(x).sum(),
+                               optimizer=lambda params: torch.optim.Adam(params), mode="fake")  # fmt: skip
+    assert profile.peak_bytes > 16 * 2**20
+    assert device.oom_count == 0 and device.peak.total_bytes == 0
 
 
 def test_bf16_mixed_shrinks_the_activations():
