@@ -10,8 +10,9 @@ Sections (one CSV, one markdown table per section, the device and its driver in 
 - prediction: each preset at a reduced input, fp32 and bf16-mixed, with and without its blocks
   checkpointed: the fake-mode peak (nothing allocated, computed in worker processes) against
   ``torch.cuda.max_memory_allocated``, beside ``max_memory_reserved``. A prediction more than 10% off fails.
-- planner: MemoryBudget plans for a device of 60% of the case's unchecked fp32 peak; the fit runs with the
-  device capped there (``set_per_process_memory_fraction``): its chosen knobs, predicted and real peaks.
+- planner: MemoryBudget plans for a device of the model states and half the rest of the case's unchecked
+  fp32 peak; the fit runs on the device capped there (``set_per_process_memory_fraction``): the chosen
+  knobs, the predicted and the real peak.
 - step time: forward + backward under none / selective / full / offload, and bf16-mixed against 32-true.
 - monitor: MemoryMonitor's allocator figures, and a fit's time with it over without.
 - oom recovery: a device capped between the whole batch's peak and half's; AdaptiveAccumulation must recover
@@ -76,7 +77,7 @@ def measure(device: TruthDevice, suite_name: str, workers: int) -> list[dict]:
             print(f"{flag} {name:<13}{line['case']:<30}{line['variant']:<40}{figures}  {line['note']}", flush=True)
         print(f"     {name}: {time.perf_counter() - started:.0f} s", flush=True)
 
-    unchecked: dict[str, int] = {}
+    unchecked: dict[str, tuple[int, int]] = {}
 
     def predictions() -> list[dict]:
         produced, peaks = prediction_rows(device, suite_name, workers)

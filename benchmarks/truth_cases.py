@@ -59,7 +59,10 @@ def normals(preset: str, batch: int, height: int, width: int) -> Case:
             "mask": torch.ones(batch, 1, height, width, dtype=torch.bool),
         }
 
-    return Case(f"{preset} b{batch} {height}×{width}", preset, lambda: NormalEstimationModule(backbone=preset), make_batch)
+    def build() -> pl.LightningModule:
+        return NormalEstimationModule(backbone=preset, warmup_steps=0)  # the fits here last a few steps
+
+    return Case(f"{preset} b{batch} {height}×{width}", preset, build, make_batch)
 
 
 def tracking(preset: str, frames: int, tracks: int, height: int, width: int) -> Case:
@@ -91,7 +94,11 @@ class Suite:
     monitor_steps: int
 
 
-_R50, _SAPIENS, _COTRACKER = face("r50", 32), normals("sapiens_0.3b", 1, 512, 384), tracking("cotracker3", 16, 256, 384, 512)
+_R50, _SAPIENS, _COTRACKER = (
+    face("r50", 32),
+    normals("sapiens_0.3b", 1, 512, 384),
+    tracking("cotracker3", 16, 256, 384, 512),
+)
 _TINY_FACE, _TINY_SAPIENS = face("iresnet_tiny", 8, 32), normals("sapiens_tiny", 2, 64, 48)
 _TINY_TRACKER = tracking("cotracker3_tiny", 8, 16, 64, 64)
 
@@ -103,7 +110,7 @@ SUITES = {
             *(tracking(preset, 16, 256, 384, 512) for preset in ("cotracker2", "cotracker3", "cotracker3_offline")),
         ],
         timings=[_R50, _SAPIENS, _COTRACKER],
-        planning=[_R50, _SAPIENS, _COTRACKER],
+        planning=[_R50, _SAPIENS],  # MemoryBudget's profiles of cotracker3 (~100 s on a CPU) would pass 10 minutes
         recovery=normals("sapiens_0.3b", 8, 256, 192),
         overflow=_R50,
         monitor=_R50,

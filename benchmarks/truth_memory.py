@@ -25,12 +25,13 @@ from truth_rows import row
 from lightning_memopt.callbacks import AdaptiveAccumulation, MemoryBudget
 from lightning_memopt.checkpointing import apply_activation_checkpointing
 from lightning_memopt.memory import profile_step
+from lightning_memopt.memory.step_parts import lightning_optimizer, quiet_logging, training_step_fn
 from lightning_memopt.vocabulary import GIB
 
 # (precision, checkpointing policy): fp32 and bf16-mixed, without and with the preset's blocks checkpointed
 VARIANTS = (("32-true", None), ("32-true", "preset"), ("bf16-mixed", None), ("bf16-mixed", "preset"))
 PREDICTION_TOLERANCE = 0.10  # a prediction more than 10% off the allocator's peak fails the run
-CAP_SHARE = 0.6  # the planner is given a device of 60% of the case's unchecked fp32 peak
+ACTIVATION_CUT = 0.5  # the planner's device: the model states and half the rest of the unchecked fp32 peak
 
 
 def _prepare(policy: str | None) -> Any:
@@ -47,32 +48,45 @@ def predicted_peak(suite: str, index: int, precision: str, policy: str | None) -
     return profile.peak_bytes
 
 
-def measured_peak(device: TruthDevice, case: Case, precision: str, policy: str | None) -> Peak:
-    """The same two steps run on ``device``: the allocator's peaks on CUDA, the tracker's on the CPU."""
+def measured_peak(device: TruthDevice, case: Case, precision: str, policy: str | None) -> tuple[Peak, int]:
+    """Two training steps on ``device``, as ``profile_step`` runs them: the allocator's peaks on CUDA, the
+    tracker's on the CPU (no tracker on CUDA: it would slow the steps); and the bytes of the model states
+    (parameters, as many for their gradients, optimizer state)."""
     device.release()
     torch.manual_seed(0)
     with device.device:
         module = case.build()
-    profile = profile_step(
-        module,
-        device.to_device(case.batch()),
-        mode="real",
-        precision=precision,
-        prepare_model=_prepare(policy),
-        round_to=512,
+    if policy is not None:
+        apply_activation_checkpointing(module, policy)
+    module.train()
+    step, optimizer = training_step_fn(module, None), lightning_optimizer(module)
+    autocast = torch.autocast(device.device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed",
+                              cache_enabled=False)  # fmt: skip
+    with device.peaks(include=(module,)) as peak:
+        batch = device.to_device(case.batch())  # counted, as profile_step counts the batch
+        for _ in range(2):  # the second step has the optimizer state
+            with autocast, quiet_logging():
+                loss = step(batch)
+            loss.backward()
+            del loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        del batch
+    states = sum(2 * p.nbytes for p in module.parameters()) + sum(
+        value.nbytes for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
     )
-    reserved = torch.cuda.max_memory_reserved(device.device) if device.is_cuda else math.nan
-    del module
+    del module, optimizer
     device.release()
-    return Peak(profile.peak_bytes, reserved)
+    return peak, states
 
 
 def _variant(precision: str, policy: str | None) -> str:
     return f"{precision}, checkpointing {policy or 'none'}"
 
 
-def prediction_rows(device: TruthDevice, suite: str, workers: int) -> tuple[list[dict], dict[str, int]]:
-    """One row per case and variant, and each case's measured unchecked fp32 peak (for the planner rows)."""
+def prediction_rows(device: TruthDevice, suite: str, workers: int) -> tuple[list[dict], dict[str, tuple[int, int]]]:
+    """One row per case and variant, and each case's measured unchecked fp32 peak and model states (for the
+    planner rows)."""
     cases = SUITES[suite].predictions
     context = multiprocessing.get_context("spawn")  # never fork a process that has started CUDA
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
@@ -88,7 +102,7 @@ def prediction_rows(device: TruthDevice, suite: str, workers: int) -> tuple[list
         }
         rows = []
         for (index, precision, policy), future in futures.items():
-            peak, predicted = measured[index, precision, policy], future.result()
+            (peak, _), predicted = measured[index, precision, policy], future.result()
             deviation = predicted / peak.allocated - 1
             rows.append(
                 row(
@@ -101,7 +115,8 @@ def prediction_rows(device: TruthDevice, suite: str, workers: int) -> tuple[list
                     passed=abs(deviation) <= PREDICTION_TOLERANCE,
                 )
             )
-    unchecked = {cases[index].name: measured[index, "32-true", None].allocated for index in range(len(cases))}
+    unchecked = {case.name: (measured[index, "32-true", None][0].allocated, measured[index, "32-true", None][1])
+                 for index, case in enumerate(cases)}  # fmt: skip
     return rows, unchecked
 
 
@@ -109,9 +124,11 @@ def _accumulation(budget: MemoryBudget) -> AdaptiveAccumulation:
     return next(callback for callback in budget.applied if isinstance(callback, AdaptiveAccumulation))
 
 
-def planned_row(device: TruthDevice, case: Case, unchecked_peak: int) -> dict:
-    """MemoryBudget plans ``case`` for a device of :data:`CAP_SHARE` of its unchecked peak; the fit runs capped."""
-    cap = int(CAP_SHARE * unchecked_peak)
+def planned_row(device: TruthDevice, case: Case, unchecked: tuple[int, int]) -> dict:
+    """MemoryBudget plans ``case`` for a device cut below its unchecked peak (:data:`ACTIVATION_CUT`); the fit
+    runs on the device capped there."""
+    peak_bytes, states = unchecked
+    cap = int(states + ACTIVATION_CUT * (peak_bytes - states))
     device.release()
     torch.manual_seed(0)
     module: nn.Module = case.build()

@@ -23,23 +23,22 @@ from truth_rows import row
 from lightning_memopt.callbacks import AdaptiveAccumulation, PrecisionSwitch
 
 _TESTS = Path(__file__).resolve().parents[1] / "tests"
-GRADIENT_TOLERANCE = 1e-3  # a recovered step's gradients against the whole batch's, relative (norm of the difference)
+GRADIENT_TOLERANCE = 1e-3  # the recovered steps' gradients against the whole batch's, relative (norm of the difference)
 
 
-class FirstGradients(pl.Callback):
-    """Host copies of the gradients at the first optimizer step (after every micro-batch was accumulated)."""
+class StepGradients(pl.Callback):
+    """Host copies of the gradients at every optimizer step (after every micro-batch was accumulated)."""
 
     def __init__(self) -> None:
         self.gradients: list[torch.Tensor] = []
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if not self.gradients:
-            self.gradients = [p.grad.detach().to("cpu", copy=True) for p in pl_module.parameters() if p.grad is not None]
+        self.gradients += [p.grad.detach().to("cpu", copy=True) for p in pl_module.parameters() if p.grad is not None]
 
 
 def relative_difference(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
     """‖ours − reference‖ / ‖reference‖ over all the tensors together."""
-    difference = sum(float((a.double() - b.double()).square().sum()) for a, b in zip(ours, reference))
+    difference = sum(float((a.double() - b.double()).square().sum()) for a, b in zip(ours, reference, strict=True))
     return (difference / sum(float(b.double().square().sum()) for b in reference)) ** 0.5
 
 
@@ -53,10 +52,10 @@ def recovery_row(device: TruthDevice, case: Case, steps: int = 2) -> dict:
     batch = case.batch()
     size = _batch_size(batch)
 
-    def fit(callbacks: list[pl.Callback], cap: int | None = None) -> tuple[FirstGradients, Any]:
+    def fit(callbacks: list[pl.Callback], cap: int | None = None) -> tuple[StepGradients, Any]:
         device.release()
         torch.manual_seed(0)
-        module, gradients = case.build(), FirstGradients()
+        module, gradients = case.build(), StepGradients()
         trainer = device.trainer(steps, [*callbacks, gradients])
         measuring = device.peaks(include=(module,)) if cap is None else device.capped(cap, include=(module,))
         with measuring as peak:
@@ -106,7 +105,7 @@ class InjectedOverflow(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.before and not self.scales[1]:
-            self.unchanged = all(torch.equal(a, b) for a, b in zip(self.before, pl_module.parameters()))
+            self.unchanged = all(torch.equal(a, b) for a, b in zip(self.before, pl_module.parameters(), strict=True))
             self.scales = (self.scales[0], self._scale(trainer))
 
 

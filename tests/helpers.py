@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -14,6 +15,23 @@ import numpy as np
 from PIL import Image
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO_ROOT / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` by its path (the benchmarks are scripts, not a package). It imports its siblings
+    (``results``, …) as it loads: ``benchmarks/`` is on ``sys.path`` for that moment only (``tests/foreign_models.py``
+    must not meet ``benchmarks/foreign_models.py`` there)."""
+    spec = importlib.util.spec_from_file_location(f"benchmarks.{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return module
+
 
 # Trainer overrides shared by every tiny run: two CPU steps with one validation batch.
 TINY_TRAINER = [

@@ -1,9 +1,7 @@
 """benchmarks/compile_budget.py: the allocator-level instrument, and its quick run against torch.compile's budget."""
 
 import csv
-import importlib.util
 import math
-import sys
 
 import pytest
 import torch
@@ -12,27 +10,9 @@ from torch import nn
 from lightning_memopt.checkpointing import apply_activation_checkpointing
 from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.models import create_model
-from tests.helpers import REPO_ROOT
+from tests.helpers import load_benchmark
 
-BENCHMARKS = REPO_ROOT / "benchmarks"
-
-
-def _load_benchmark_module(name):
-    """``benchmarks/<name>.py`` by its path (the benchmarks are scripts, not a package). It imports its sibling
-    ``results`` as it loads: ``benchmarks/`` is on ``sys.path`` for that moment only (``tests/foreign_models.py``
-    must not meet ``benchmarks/foreign_models.py`` there)."""
-    spec = importlib.util.spec_from_file_location(f"benchmarks.{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
-
-
-compile_budget = _load_benchmark_module("compile_budget")
+compile_budget = load_benchmark("compile_budget")
 
 
 def _both_counts(build, batch):

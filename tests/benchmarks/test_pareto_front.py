@@ -1,24 +1,12 @@
 """benchmarks/pareto_front.py: the Pareto front of a memory_grid sweep, and the fastest run within a budget."""
 
 import csv
-import importlib.util
-import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import load_benchmark
 
-
-def _load_benchmark_module(name):
-    """``benchmarks/<name>.py`` by its path (the benchmarks are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"benchmarks.{name}", REPO_ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-pareto = _load_benchmark_module("pareto_front")
+pareto = load_benchmark("pareto_front")
 SweepRun, fastest_within, labels, pareto_front, read_sweep, table = (
     pareto.SweepRun,
     pareto.fastest_within,

@@ -1,0 +1,129 @@
+"""benchmarks/gpu_truth.py: the dry run end to end, its rows and exit code, the device it measures on (CPU, CUDA)."""
+
+import csv
+import doctest
+import math
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import BENCHMARKS, load_benchmark, run_script
+
+gpu_truth = load_benchmark("gpu_truth")
+truth_device, truth_rows, truth_recovery = (
+    sys.modules[name] for name in ("truth_device", "truth_rows", "truth_recovery")
+)
+SECTIONS = ["device", "prediction", "planner", "step time", "monitor", "oom recovery", "overflow", "cuda tests"]
+
+
+@pytest.mark.slow
+def test_the_dry_run_measures_every_section_and_every_check_passes(tmp_path):
+    done = run_script(BENCHMARKS / "gpu_truth.py", ["--dry-run", "--csv", str(tmp_path / "truth.csv")], tmp_path, 900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with (tmp_path / "truth.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert list(dict.fromkeys(r["section"] for r in rows)) == SECTIONS
+    predictions = [r for r in rows if r["section"] == "prediction"]
+    assert len(predictions) == 3 * 4  # three tiny presets × fp32 / bf16-mixed × none / full
+    assert all(abs(float(r["deviation"])) <= 0.10 and r["passed"] == "yes" for r in predictions)
+    assert all(r["passed"] in ("yes", "") for r in rows)
+    by_section = {r["section"]: r for r in rows}
+    assert "1 OOM recovered" in by_section["oom recovery"]["note"]
+    assert float(by_section["overflow"]["ratio"]) == 0.5  # the loss scale halved
+    assert "skipped" in by_section["cuda tests"]["note"]  # no CUDA here: every cuda test skips
+    assert {r["variant"] for r in rows if r["section"] == "step time"} >= {"none", "selective", "full", "offload"}
+    assert (tmp_path / "truth.md").read_text() == gpu_truth.document(rows) + "\n"
+    assert "0 of 17 checks failed" in done.stdout
+
+
+@pytest.mark.parametrize(("passed", "code"), [(True, 0), (False, 1)])
+def test_a_failed_check_makes_the_exit_code_1(monkeypatch, tmp_path, capsys, passed, code):
+    def measure(device, suite, workers):
+        return [
+            gpu_truth.device_row(device, suite),
+            truth_rows.row("prediction", "r50", "32-true", deviation=0.2 if not passed else 0.0, passed=passed),
+        ]
+
+    monkeypatch.setattr(gpu_truth, "measure", measure)
+    monkeypatch.setattr(sys, "argv", ["gpu_truth.py", "--dry-run", "--csv", str(tmp_path / "t.csv")])
+    assert gpu_truth.main() == code
+    assert (tmp_path / "t.csv").exists() and (tmp_path / "t.md").exists()
+    captured = capsys.readouterr()
+    assert (f"{0 if passed else 1} of 1 checks failed") in captured.out
+    assert ("FAILED prediction: r50, 32-true" in captured.err) == (not passed)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for --dry-run only where there is no CUDA device")
+def test_without_cuda_it_asks_for_the_dry_run(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["gpu_truth.py"])
+    with pytest.raises(SystemExit) as info:
+        gpu_truth.main()
+    assert info.value.code == 2
+    assert (
+        "no CUDA device here: run it on a GPU machine, or check the code path with --dry-run" in capsys.readouterr().err
+    )
+
+
+def test_bad_workers_are_refused(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["gpu_truth.py", "--dry-run", "--workers", "0"])
+    with pytest.raises(SystemExit):
+        gpu_truth.main()
+    assert "--workers=0 must be at least 1" in capsys.readouterr().err
+
+
+def test_the_markdown_has_a_table_per_section_with_the_columns_it_fills():
+    rows = [
+        truth_rows.row(
+            "prediction", "r50", "fp32", predicted=2**20, peak=truth_device.Peak(2**21), deviation=-0.5, passed=True
+        ),  # fmt: skip
+        truth_rows.row("step time", "r50", "full", seconds=0.5, ratio=1.25),
+    ]
+    text = truth_rows.markdown(rows)
+    assert text.split("\n\n")[0] == "**prediction**"
+    assert "| r50 | fp32 | 1.0 | 2.0 | 0.500 | yes |" in text
+    assert "reserved MiB" not in text  # no row has reserved bytes (none off CUDA): no such column
+    assert "| case | variant | seconds | ratio |" in text and "| r50 | full | 0.5000 | 1.250 |" in text
+    assert truth_rows.failed(rows) == [] and truth_rows.failed([{**rows[0], "passed": "no"}]) == [
+        {**rows[0], "passed": "no"}
+    ]
+
+
+def test_gradients_are_compared_by_the_norm_of_their_difference():
+    ours, reference = [torch.tensor([1.0, 1.0])], [torch.tensor([1.0, 2.0])]
+    assert truth_recovery.relative_difference(ours, reference) == pytest.approx(1 / math.sqrt(5))
+    with pytest.raises(ValueError):  # a missing tensor is no match
+        truth_recovery.relative_difference(ours, reference * 2)
+
+
+def test_the_cpu_device_measures_the_tracker_and_caps_with_a_simulated_device():
+    device = truth_device.TruthDevice.detect(prefer_cuda=False)
+    assert not device.is_cuda and device.total_bytes > 0 and device.context_bytes == 0
+    with device.peaks() as peak:
+        kept = torch.zeros(1024)
+        del kept
+        torch.zeros(512)
+    assert peak.allocated == 4096 and math.isnan(peak.reserved)
+    with pytest.raises(torch.OutOfMemoryError), device.capped(4096):
+        torch.zeros(2048)
+
+
+@pytest.mark.cuda
+def test_the_cuda_device_reads_the_allocator_and_caps_it_for_real():
+    device = truth_device.TruthDevice.detect()
+    assert device.is_cuda and device.context_bytes > 0 and "CUDA" in device.driver
+    device.release()
+    with device.peaks() as peak:
+        block = torch.empty(64 * 2**20, dtype=torch.uint8, device=device.device)
+        del block
+    assert peak.allocated >= 64 * 2**20 and peak.reserved >= peak.allocated
+    with pytest.raises(torch.OutOfMemoryError), device.capped(torch.cuda.memory_reserved() + 256 * 2**20):
+        torch.empty(2**30, dtype=torch.uint8, device=device.device)
+    torch.empty(2**30, dtype=torch.uint8, device=device.device)  # the cap is gone with the block
+
+
+@pytest.mark.parametrize("name", ["truth_cases", "truth_device", "truth_memory", "truth_recovery", "truth_rows",
+                                  "truth_runtime"])  # fmt: skip
+def test_the_examples_in_the_docstrings_run(name):
+    result = doctest.testmod(sys.modules[name])
+    assert result.attempted > 0 and result.failed == 0
