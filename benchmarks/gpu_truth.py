@@ -10,6 +10,7 @@ Sections (one CSV, one markdown table per section, the device and its driver in 
 - prediction: each preset at a reduced input, fp32 and bf16-mixed, with and without its blocks
   checkpointed: the fake-mode peak (nothing allocated, computed in worker processes) against
   ``torch.cuda.max_memory_allocated``, beside ``max_memory_reserved``. A prediction more than 10% off fails.
+- calibration: the least planner ``safety_margin`` that would have kept every measured step on the device.
 - planner: MemoryBudget plans for a device of the model states and half the rest of the case's unchecked
   fp32 peak; the fit runs on the device capped there (``set_per_process_memory_fraction``): the chosen
   knobs, the predicted and the real peak.
@@ -39,7 +40,7 @@ from pathlib import Path
 from results import read_rows, write_csv
 from truth_cases import SUITES
 from truth_device import TruthDevice
-from truth_memory import planned_row, prediction_rows
+from truth_memory import margin_row, planned_row, prediction_rows
 from truth_recovery import cuda_tests_row, overflow_row, recovery_row
 from truth_rows import failed, markdown, row
 from truth_runtime import monitor_rows, step_time_rows
@@ -85,6 +86,7 @@ def measure(device: TruthDevice, suite_name: str, workers: int) -> list[dict]:
         return produced
 
     section("prediction", predictions)
+    section("calibration", lambda: [margin_row(device, [r for r in rows if r["section"] == "prediction"])])
     section("planner", lambda: [planned_row(device, case, unchecked[case.name]) for case in suite.planning])
     section("step time", lambda: [r for case in suite.timings for r in step_time_rows(device, case, suite.rounds)])
     section("monitor", lambda: monitor_rows(device, suite.monitor, suite.monitor_steps, suite.rounds))
@@ -99,6 +101,11 @@ def document(rows: list[dict]) -> str:
     first = rows[0]
     heading = f"Measured on {first['case']} ({first['variant']}; {first['note']})."
     return heading + "\n\n" + markdown(rows[1:])
+
+
+def table(path: Path) -> str:
+    """The markdown of a CSV this script wrote (``benchmarks/tables.py`` renders the docs' copy with it)."""
+    return document(read_rows(path))
 
 
 def main() -> int:
@@ -117,7 +124,7 @@ def main() -> int:
     csv_path = args.csv or default_folder / {"dry": "gpu_truth_dry_run.csv", "quick": "gpu_truth_quick.csv",
                                              "full": "gpu_truth.csv"}[suite]  # fmt: skip
     if args.table:
-        print(document(read_rows(csv_path)))
+        print(table(csv_path))
         return 0
     if args.workers < 1:
         parser.error(f"--workers={args.workers} must be at least 1")

@@ -95,6 +95,7 @@ REGISTRY: dict[str, str | Renderer] = {
     "concurrent_rows.csv": "concurrent_rows:table",
     "cli_startup.csv": "cli_startup:table",
     "compile_budget.csv": "compile_budget:table",
+    "gpu_truth.csv": "gpu_truth:table",  # once a GPU session commits it (python benchmarks/gpu_truth.py)
 }
 
 MARKER = re.compile(r"<!-- table: (?P<key>[\w.-]+\.csv(?: [\w-]+)?) -->\n(?P<body>.*?)<!-- /table -->", re.S)

@@ -120,6 +120,26 @@ def prediction_rows(device: TruthDevice, suite: str, workers: int) -> tuple[list
     return rows, unchecked
 
 
+def margin_row(device: TruthDevice, predictions: list[dict]) -> dict:
+    """The least ``safety_margin`` that would have kept every measured step on the device (see docs/benchmarks.md).
+
+    A plan keeps its predicted peak P within (1 − m) of the device's memory T; the step then holds P(1 + f)
+    (f: the most the allocator held over a prediction: reserved over predicted on CUDA, allocated on the CPU)
+    beside the CUDA context C, so it fits when m ≥ 1 − (1 − C/T) / (1 + f).
+    """
+    held = [r["allocated_mib"] if math.isnan(r["reserved_mib"]) else r["reserved_mib"] for r in predictions]
+    worst = max(h / r["predicted_mib"] for h, r in zip(held, predictions, strict=True)) - 1
+    margin = max(0.0, 1 - (1 - device.context_bytes / device.total_bytes) / (1 + worst))
+    return row(
+        "calibration",
+        "safety_margin",
+        "the least covering every prediction row",
+        ratio=margin,
+        note=f"most held over predicted {1 + worst:.3f}; CUDA context {device.context_bytes / 2**20:.0f} MiB of "
+        f"{device.total_bytes / 2**20:.0f}; the planner's default 0.10",
+    )
+
+
 def _accumulation(budget: MemoryBudget) -> AdaptiveAccumulation:
     return next(callback for callback in budget.applied if isinstance(callback, AdaptiveAccumulation))
 

@@ -11,10 +11,25 @@ import torch
 from tests.helpers import BENCHMARKS, load_benchmark, run_script
 
 gpu_truth = load_benchmark("gpu_truth")
-truth_device, truth_rows, truth_recovery = (
-    sys.modules[name] for name in ("truth_device", "truth_rows", "truth_recovery")
+# its siblings, as loaded with it (held here: other tests' fixtures clear the benchmarks out of sys.modules)
+SIBLINGS = {
+    name: sys.modules[name]
+    for name in ("truth_cases", "truth_device", "truth_memory", "truth_recovery", "truth_rows", "truth_runtime")
+}
+truth_device, truth_memory, truth_recovery, truth_rows = (
+    SIBLINGS[name] for name in ("truth_device", "truth_memory", "truth_recovery", "truth_rows")
 )
-SECTIONS = ["device", "prediction", "planner", "step time", "monitor", "oom recovery", "overflow", "cuda tests"]
+SECTIONS = [
+    "device",
+    "prediction",
+    "calibration",
+    "planner",
+    "step time",
+    "monitor",
+    "oom recovery",
+    "overflow",
+    "cuda tests",
+]
 
 
 @pytest.mark.slow
@@ -34,6 +49,7 @@ def test_the_dry_run_measures_every_section_and_every_check_passes(tmp_path):
     assert "skipped" in by_section["cuda tests"]["note"]  # no CUDA here: every cuda test skips
     assert {r["variant"] for r in rows if r["section"] == "step time"} >= {"none", "selective", "full", "offload"}
     assert (tmp_path / "truth.md").read_text() == gpu_truth.document(rows) + "\n"
+    assert 0 <= float(by_section["calibration"]["ratio"]) < 0.1  # the tracker's peaks are the predictions'
     assert "0 of 17 checks failed" in done.stdout
 
 
@@ -89,6 +105,24 @@ def test_the_markdown_has_a_table_per_section_with_the_columns_it_fills():
     ]
 
 
+def test_the_safety_margin_covers_the_worst_overhead_beside_the_context():
+    device = truth_device.TruthDevice(torch.device("cuda"), "GPU", "driver", 1000 * 2**20, 10 * 2**20)
+    rows = [
+        truth_rows.row(
+            "prediction", "a", "fp32", predicted=100 * 2**20, peak=truth_device.Peak(100 * 2**20, 105 * 2**20)
+        ),
+        truth_rows.row(
+            "prediction", "b", "fp32", predicted=100 * 2**20, peak=truth_device.Peak(100 * 2**20, 120 * 2**20)
+        ),
+    ]
+    margin = truth_memory.margin_row(device, rows)["ratio"]
+    assert margin == pytest.approx(1 - 0.99 / 1.2)  # the worst step held 1.2× its prediction; the context 1%
+    planned = (1 - margin) * 1000  # the most a plan would predict on this device, MiB
+    assert planned * 1.2 + 10 == pytest.approx(1000)  # held as the worst row, beside the context: exactly full
+    over = [truth_rows.row("prediction", "c", "fp32", predicted=2**20, peak=truth_device.Peak(2**19))]
+    assert truth_memory.margin_row(truth_device.TruthDevice.detect(prefer_cuda=False), over)["ratio"] == 0.0
+
+
 def test_gradients_are_compared_by_the_norm_of_their_difference():
     ours, reference = [torch.tensor([1.0, 1.0])], [torch.tensor([1.0, 2.0])]
     assert truth_recovery.relative_difference(ours, reference) == pytest.approx(1 / math.sqrt(5))
@@ -122,8 +156,7 @@ def test_the_cuda_device_reads_the_allocator_and_caps_it_for_real():
     torch.empty(2**30, dtype=torch.uint8, device=device.device)  # the cap is gone with the block
 
 
-@pytest.mark.parametrize("name", ["truth_cases", "truth_device", "truth_memory", "truth_recovery", "truth_rows",
-                                  "truth_runtime"])  # fmt: skip
+@pytest.mark.parametrize("name", sorted(SIBLINGS))
 def test_the_examples_in_the_docstrings_run(name):
-    result = doctest.testmod(sys.modules[name])
+    result = doctest.testmod(SIBLINGS[name])
     assert result.attempted > 0 and result.failed == 0
