@@ -48,17 +48,15 @@ def markdown_table(columns: list[str], rows: list[list[object]]) -> str:
 
 
 def cpu_trainer(steps: int, callbacks: list[pl.Callback], **options: Any) -> pl.Trainer:
-    """A CPU Trainer for ``steps`` steps without logger, checkpoints, progress bar or summary."""
-    return pl.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        **options,
-    )
+    """A Trainer for ``steps`` steps without logger, checkpoints, progress bar or summary; on the CPU unless
+    ``options`` name another ``accelerator``."""
+    quiet = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return pl.Trainer(**{"accelerator": "cpu", **quiet, **options}, max_steps=steps, callbacks=callbacks)
 
 
 class StepTimes(pl.Callback):

@@ -27,6 +27,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from results import cpu_trainer
 from torch import nn
 
 from lightning_memopt.memory import MemoryTracker, SimulatedDevice
@@ -154,15 +155,5 @@ class TruthDevice:
     def trainer(self, steps: int, callbacks: list[pl.Callback], **options: Any) -> pl.Trainer:
         """A Trainer on this device for ``steps`` steps, without logger, checkpoints, progress bar or summary."""
         devices = [self.device.index] if self.is_cuda else 1
-        return pl.Trainer(
-            accelerator=self.device.type,
-            devices=devices,
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            callbacks=callbacks,
-            **options,
-        )
+        return cpu_trainer(steps, callbacks, accelerator=self.device.type, devices=devices, num_sanity_val_steps=0,
+                           **options)  # fmt: skip
