@@ -120,17 +120,19 @@ def main() -> int:
     parser.add_argument("--table", action="store_true", help="print the markdown of --csv and stop")
     args = parser.parse_args()
     suite = "dry" if args.dry_run else "quick" if args.quick else "full"
-    default_folder = Path(tempfile.mkdtemp(prefix="gpu_truth_")) if args.dry_run else _HERE
-    csv_path = args.csv or default_folder / {"dry": "gpu_truth_dry_run.csv", "quick": "gpu_truth_quick.csv",
-                                             "full": "gpu_truth.csv"}[suite]  # fmt: skip
-    if args.table:
-        print(table(csv_path))
-        return 0
+    name = {"dry": "gpu_truth_dry_run.csv", "quick": "gpu_truth_quick.csv", "full": "gpu_truth.csv"}[suite]
     if args.workers < 1:
         parser.error(f"--workers={args.workers} must be at least 1")
+    if args.table:
+        shown = args.csv or _HERE / name
+        if not shown.is_file():
+            parser.error(f"--table: no CSV at {shown}; give --csv the one a run wrote")
+        print(table(shown))
+        return 0
     device = TruthDevice.detect(prefer_cuda=not args.dry_run)
     if not device.is_cuda and not args.dry_run:
         parser.error("no CUDA device here: run it on a GPU machine, or check the code path with --dry-run")
+    csv_path = args.csv or (Path(tempfile.mkdtemp(prefix="gpu_truth_")) if args.dry_run else _HERE) / name
     print(f"gpu_truth ({suite}) on {device.describe()}", flush=True)
     rows = measure(device, suite, args.workers)
     write_csv(csv_path, rows)

@@ -81,11 +81,29 @@ def test_without_cuda_it_asks_for_the_dry_run(monkeypatch, capsys):
     )
 
 
-def test_bad_workers_are_refused(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["gpu_truth.py", "--dry-run", "--workers", "0"])
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--dry-run", "--workers", "0"], "--workers=0 must be at least 1"),
+        (["--table", "--csv", "missing.csv"], "--table: no CSV at missing.csv; give --csv the one a run wrote"),
+    ],
+)
+def test_bad_arguments_are_refused(monkeypatch, capsys, arguments, message):
+    monkeypatch.setattr(sys, "argv", ["gpu_truth.py", *arguments])
     with pytest.raises(SystemExit):
         gpu_truth.main()
-    assert "--workers=0 must be at least 1" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+
+
+def test_the_table_is_printed_from_a_csv(monkeypatch, tmp_path, capsys):
+    rows = [gpu_truth.device_row(truth_device.TruthDevice.detect(prefer_cuda=False), "dry"),
+            truth_rows.row("step time", "r50", "full", seconds=0.5, ratio=1.25)]  # fmt: skip
+    gpu_truth.write_csv(tmp_path / "t.csv", rows)
+    capsys.readouterr()  # "wrote …"
+    monkeypatch.setattr(sys, "argv", ["gpu_truth.py", "--table", "--csv", str(tmp_path / "t.csv")])
+    assert gpu_truth.main() == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("Measured on CPU (") and "| r50 | full | 0.5000 | 1.250 |" in printed
 
 
 def test_the_markdown_has_a_table_per_section_with_the_columns_it_fills():
