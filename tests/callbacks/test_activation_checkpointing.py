@@ -117,6 +117,7 @@ def test_the_hydra_bundle_composes(compose_train):
     assert cfg.memopt.callbacks.activation_checkpointing.policy == "auto"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_on_two_cpu_processes_trains_with_checkpointing(tmp_path):
     args = [*TINY_FACE, "strategy=ddp", "trainer.devices=2", "data.batch_size=4", "memopt=checkpointing"]

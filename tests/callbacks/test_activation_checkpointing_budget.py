@@ -92,6 +92,7 @@ def test_the_function_refuses_a_budget_and_says_what_measures_one():
     assert ActivationBudget(3 * 2**30).describe() == "budget(3221225472 bytes, auto)"
 
 
+@pytest.mark.slow
 def test_under_ddp_every_rank_applies_rank_zeros_choice(tmp_path):
     script = Path(__file__).with_name("checkpoint_budget_ddp_run.py")
     result = run_script(script, [str(tmp_path)], cwd=tmp_path, timeout=300)

@@ -446,6 +446,7 @@ def test_the_hydra_bundle(compose_train):
     assert instantiate(scheduled.memopt.callbacks.adaptive_accumulation).schedule.at(100) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("fault", ["forward_limit", "backward_limit"])
 def test_ddp_with_an_oom_on_rank_1_only(tmp_path, fault):
@@ -464,6 +465,7 @@ def test_ddp_with_an_oom_on_rank_1_only(tmp_path, fault):
             assert ((got - want).norm() / want.norm()).item() < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp_memopt_micro_batches_give_the_steps_of_whole_batches(tmp_path):
     script = Path(__file__).with_name("adaptive_fsdp_run.py")

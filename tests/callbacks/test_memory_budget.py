@@ -145,6 +145,7 @@ def test_a_sharded_or_offloaded_plan_prints_the_fsdp_memopt_command_with_the_sam
     assert isinstance(callback, MemoryBudget) and callback.knobs == knobs
 
 
+@pytest.mark.slow
 def test_only_an_offloaded_plan_fitting_stops_a_single_device_run_with_the_fsdp_command(tmp_path):
     budget = MemoryBudget(budget=2.5 / 1024, gpu="a100_80gb")  # the model states (3.5 MiB) do not fit unsharded
     with pytest.raises(MisconfigurationException) as error:
@@ -171,6 +172,7 @@ def test_a_trainer_running_the_plans_precision_itself_gets_no_precision_switch(t
         _fit(MemoryBudget(knobs={"precision": "32-true"}), tmp_path, precision="bf16-mixed")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_under_fsdp_memopt_the_plan_shards_over_the_ranks_and_sets_the_strategy_offload(tmp_path):
     script = Path(__file__).with_name("memory_budget_fsdp_run.py")
@@ -191,6 +193,7 @@ def _ddp_ranks(tmp_path, budget_mib):
     return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
 
 
+@pytest.mark.slow
 def test_under_ddp_rank_0_plans_and_every_rank_applies_its_plan(tmp_path):
     rank0, rank1 = _ddp_ranks(tmp_path, 9.0)
     assert rank0["planned_here"] and not rank1["planned_here"]
@@ -199,6 +202,7 @@ def test_under_ddp_rank_0_plans_and_every_rank_applies_its_plan(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"], strict=True))
 
 
+@pytest.mark.slow
 def test_under_ddp_a_failed_plan_stops_every_rank_with_its_message(tmp_path):
     rank0, rank1 = _ddp_ranks(tmp_path, 1.0)
     assert rank0["error"] == rank1["error"]

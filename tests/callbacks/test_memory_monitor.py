@@ -328,6 +328,7 @@ def test_prometheus_address_is_kept_and_checked():
     assert MemoryMonitor(prometheus_address="localhost").prometheus_address == "localhost"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_logs_every_rank_with_min_and_max(tmp_path):
     args = [

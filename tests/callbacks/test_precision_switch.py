@@ -344,6 +344,7 @@ def test_fail_safe_from_the_command_line_is_a_word_not_a_truth_value(compose_tra
         instantiate(refused.memopt.callbacks.precision_switch)
 
 
+@pytest.mark.slow
 def test_ddp_ranks_skip_and_switch_together(tmp_path):
     script = Path(__file__).with_name("precision_ddp_run.py")
     result = run_script(script, [str(tmp_path)], cwd=tmp_path, timeout=300)
@@ -356,6 +357,7 @@ def test_ddp_ranks_skip_and_switch_together(tmp_path):
     assert all(torch.isfinite(p).all() for p in ranks[0]["params"])
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp_memopt_switches_and_skips_steps_like_ddp(tmp_path):
     script = Path(__file__).with_name("precision_fsdp_run.py")

@@ -12,6 +12,7 @@ def _memopt_plan(args, cwd):
     return run_python(["-m", "lightning_memopt.cli.plan", *args], cwd, timeout=600)
 
 
+@pytest.mark.slow
 def test_memopt_plan_prints_the_candidates_the_choice_and_its_command_and_writes_the_chart(tmp_path):
     pytest.importorskip("matplotlib")
     result = _memopt_plan([*TINY_PLAN, "budget=0.006", "plan.png=plan.png"], tmp_path)

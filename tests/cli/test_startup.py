@@ -103,6 +103,7 @@ def test_the_console_script_answers_help_without_torch(tmp_path):
     assert "lightning_memopt.cli.train" in imported and not imported & set(HEAVY)
 
 
+@pytest.mark.slow
 def test_a_public_name_imports_itself_and_registers_the_strategies(tmp_path):
     assert (
         imported_heavy("import lightning_memopt\nassert 'lightning_memopt.strategies' not in sys.modules", tmp_path)

@@ -202,6 +202,7 @@ def test_options_from_a_config_are_read_in_their_types():
     assert isinstance(metric.max_memory, int) and KNNRetrieval(embeddings_on_cpu="on").embeddings_on_cpu is True
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_give_the_single_process_result(tmp_path):
     result = run_script(Path(__file__).with_name("metrics_ddp_run.py"), [str(tmp_path)], cwd=tmp_path, timeout=300)

@@ -71,6 +71,7 @@ def test_a_tight_budget_gets_a_plan_whose_real_peak_fits_and_uses_most_of_it(bud
     assert real >= 0.7 * budget_mib * _MIB, result.table()
 
 
+@pytest.mark.slow
 def test_checkpointing_estimates_are_close_to_their_profiles():
     result = _plan(5.0, verify=10)
     # (sharded and offloaded ones hold no model states in their step's peak: the same bytes off are a larger share)
@@ -121,6 +122,7 @@ def test_a_budget_below_the_model_states_is_refused_with_the_breakdown_and_the_o
         assert part in message
 
 
+@pytest.mark.slow
 def test_offload_plans_below_the_model_states_and_is_refused_only_below_the_units_in_flight():
     result = _plan(2.0)  # the model states (3.5 MiB) do not fit: the device keeps only the units in flight
     assert result.chosen is not None and result.chosen.knobs.cpu_offload, result.table()

@@ -123,6 +123,7 @@ def test_the_cost_of_sharding_and_offload():
     assert gpu("rtx3090_24gb").host_memory_gbps < gpu("a100_80gb").host_memory_gbps <= gpu("h100_80gb").host_memory_gbps
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_the_accounting_is_within_five_percent_of_a_real_two_rank_fsdp2_step():
     script = REPO_ROOT / "tests" / "planner" / "sharded_step_run.py"

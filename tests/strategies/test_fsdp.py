@@ -243,6 +243,7 @@ def test_cpu_offload_on_one_device_equals_the_plain_run(tmp_path):
     assert _distance(single["offload/parameters"], single["plain/parameters"]) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_memopt_train_shards_a_tiny_sapiens_over_two_cpu_ranks(tmp_path):
     args = ["experiment=sapiens_2b_normal", "model=sapiens_tiny", "model.warmup_steps=1", "data.image_size=[64,48]",

@@ -121,6 +121,7 @@ def test_the_evaluation_sampler_deals_each_sample_once(size, world):
     assert evaluation_sampler(range(size)) is None  # no process group here: in order
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_train_with_every_preset(tmp_path):
     script = Path(__file__).with_name("strategies_ddp_run.py")
