@@ -29,10 +29,12 @@ On a CPU it runs ``--dry-run`` only: the tiny presets, the tracker for the alloc
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from datetime import date
 from pathlib import Path
@@ -59,24 +61,34 @@ def device_row(device: TruthDevice, suite: str) -> dict:
     )
 
 
+def run_section(name: str, produce: Callable[[], list[dict]]) -> list[dict]:
+    """A section's rows, printed; a section that raises is one failed row with its error (the run goes on: a GPU
+    session keeps what the other sections measured), its traceback printed."""
+    started = time.perf_counter()
+    try:
+        produced = produce()
+    except Exception as error:  # noqa: BLE001 — any failure of a section is a finding, written as a row
+        traceback.print_exc()
+        produced = [row(name, "the section failed", type(error).__name__, passed=False, note=str(error).split("\n")[0])]
+    for line in produced:
+        flag = {"yes": "ok  ", "no": "FAIL"}.get(line["passed"], "    ")
+        figures = ", ".join(
+            f"{key} {float(line[key]):.4g}"
+            for key in ("predicted_mib", "allocated_mib", "reserved_mib", "deviation", "seconds", "ratio")
+            if not math.isnan(float(line[key]))
+        )
+        print(f"{flag} {name:<13}{line['case']:<30}{line['variant']:<40}{figures}  {line['note']}", flush=True)
+    print(f"     {name}: {time.perf_counter() - started:.0f} s", flush=True)
+    return produced
+
+
 def measure(device: TruthDevice, suite_name: str, workers: int) -> list[dict]:
     """Every section's rows, printed as each section ends."""
     suite = SUITES[suite_name]
     rows = [device_row(device, suite_name)]
 
     def section(name: str, produce: Callable[[], list[dict]]) -> None:
-        started = time.perf_counter()
-        produced = produce()
-        rows.extend(produced)
-        for line in produced:
-            flag = {"yes": "ok  ", "no": "FAIL"}.get(line["passed"], "    ")
-            figures = ", ".join(
-                f"{key} {float(line[key]):.4g}"
-                for key in ("predicted_mib", "allocated_mib", "reserved_mib", "deviation", "seconds", "ratio")
-                if str(line[key]) != "nan"
-            )
-            print(f"{flag} {name:<13}{line['case']:<30}{line['variant']:<40}{figures}  {line['note']}", flush=True)
-        print(f"     {name}: {time.perf_counter() - started:.0f} s", flush=True)
+        rows.extend(run_section(name, produce))
 
     unchecked: dict[str, tuple[int, int]] = {}
 

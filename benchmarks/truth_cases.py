@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -102,31 +102,30 @@ _R50, _SAPIENS, _COTRACKER = (
 _TINY_FACE, _TINY_SAPIENS = face("iresnet_tiny", 8, 32), normals("sapiens_tiny", 2, 64, 48)
 _TINY_TRACKER = tracking("cotracker3_tiny", 8, 16, 64, 64)
 
+_FULL = Suite(
+    predictions=[
+        *(face(f"r{depth}", 32) for depth in (18, 34, 50, 100, 200)),
+        *(normals(f"sapiens_{size}", 1, 512, 384) for size in ("0.3b", "0.6b", "1b", "2b")),
+        *(tracking(preset, 16, 256, 384, 512) for preset in ("cotracker2", "cotracker3", "cotracker3_offline")),
+    ],
+    timings=[_R50, _SAPIENS, _COTRACKER],
+    planning=[_R50, _SAPIENS],  # MemoryBudget's profiles of cotracker3 (~100 s on a CPU) would pass 10 minutes
+    recovery=normals("sapiens_0.3b", 8, 256, 192),
+    overflow=_R50,
+    monitor=_R50,
+    rounds=3,
+    monitor_steps=30,
+)
 SUITES = {
-    "full": Suite(
-        predictions=[
-            *(face(f"r{depth}", 32) for depth in (18, 34, 50, 100, 200)),
-            *(normals(f"sapiens_{size}", 1, 512, 384) for size in ("0.3b", "0.6b", "1b", "2b")),
-            *(tracking(preset, 16, 256, 384, 512) for preset in ("cotracker2", "cotracker3", "cotracker3_offline")),
-        ],
-        timings=[_R50, _SAPIENS, _COTRACKER],
-        planning=[_R50, _SAPIENS],  # MemoryBudget's profiles of cotracker3 (~100 s on a CPU) would pass 10 minutes
-        recovery=normals("sapiens_0.3b", 8, 256, 192),
-        overflow=_R50,
-        monitor=_R50,
-        rounds=3,
-        monitor_steps=30,
-    ),
-    "quick": Suite(
+    "full": _FULL,
+    "quick": replace(
+        _FULL,
         predictions=[_R50, _SAPIENS, _COTRACKER],
         timings=[_R50, _SAPIENS],
         planning=[_SAPIENS],
-        recovery=normals("sapiens_0.3b", 8, 256, 192),
-        overflow=_R50,
-        monitor=_R50,
         rounds=2,
         monitor_steps=20,
-    ),
+    ),  # fmt: skip
     "dry": Suite(
         predictions=[_TINY_FACE, _TINY_SAPIENS, _TINY_TRACKER],
         timings=[_TINY_FACE, _TINY_SAPIENS],

@@ -42,6 +42,11 @@ class Peak:
     allocated: int = 0
     reserved: float = math.nan
 
+    @property
+    def held(self) -> float:
+        """What the device held: the allocator's reserve on CUDA, the tensors' bytes where nothing caches them."""
+        return self.allocated if math.isnan(self.reserved) else self.reserved
+
 
 def _driver_version() -> str:
     try:

@@ -160,18 +160,16 @@ def planned_row(device: TruthDevice, case: Case, unchecked: tuple[int, int]) -> 
             trainer.fit(module, repeated(case.batch(), 2))
         except torch.OutOfMemoryError as error:
             failure = f"; the fit ran out of memory: {str(error).splitlines()[0]}"
-    plan = budget.plan
-    recoveries = _accumulation(budget).sizer.oom_recoveries if plan is not None else 0
-    predicted = plan.chosen.peak_bytes if plan is not None else 0
-    deviation = predicted / peak.allocated - 1 if peak.allocated else math.nan
-    held = peak.allocated if math.isnan(peak.reserved) else peak.reserved
+    chosen = budget.plan.chosen  # planned in setup, before the strategy moves the model: an OOM comes later
+    recoveries = _accumulation(budget).sizer.oom_recoveries
+    deviation = chosen.peak_bytes / peak.allocated - 1
     return row(
         "planner",
         case.name,
-        plan.chosen.knobs.describe() if plan is not None else "no plan",
-        predicted=predicted,
+        chosen.knobs.describe(),
+        predicted=chosen.peak_bytes,
         peak=peak,
         deviation=deviation,
-        passed=not failure and recoveries == 0 and held <= cap and abs(deviation) <= PREDICTION_TOLERANCE,
+        passed=not failure and recoveries == 0 and peak.held <= cap and abs(deviation) <= PREDICTION_TOLERANCE,
         note=f"device capped at {cap / 2**20:.0f} MiB; {recoveries} OOM recovered{failure}",
     )

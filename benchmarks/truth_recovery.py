@@ -64,7 +64,7 @@ def recovery_row(device: TruthDevice, case: Case, steps: int = 2) -> dict:
 
     reference, whole = fit([])
     _, half = fit([AdaptiveAccumulation(micro_batch_size=size // 2)])
-    held = [peak.allocated if not device.is_cuda else peak.reserved for peak in (whole, half)]
+    held = [whole.held, half.held]
     cap = int(sum(held) / 2)
     accumulation = AdaptiveAccumulation()
     recovered, peak = fit([accumulation], cap)

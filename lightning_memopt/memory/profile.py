@@ -160,9 +160,11 @@ def profile_step(
     if steps < 1:
         raise ValueError(f"`steps`={steps!r} must be at least 1")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if mode == "fake" else None
-    # A prediction allocates nothing: a tracker or SimulatedDevice around it (MemoryBudget plans inside the
-    # device it plans for) must not count its fake tensors.
-    with disable_current_modes() if fake_mode is not None else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        if fake_mode is not None:
+            # A prediction allocates nothing: a tracker or SimulatedDevice around it (MemoryBudget plans inside the
+            # device it plans for) must not count its fake tensors.
+            stack.enter_context(disable_current_modes())
         module = materialise(model, fake_mode)
         if prepare_model is not None:
             prepare_model(module)
@@ -171,44 +173,41 @@ def profile_step(
             module = module.to(half)
         step = training_step_fn(module, loss_fn)
         opt = build_optimizer(module, optimizer, fake_mode)
-        with contextlib.ExitStack() as stack:
-            if fake_mode is not None:
-                stack.enter_context(fake_mode)
-                batch = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
-            if precision.endswith("-true") and half is not None:
-                batch = tree_map(
-                    lambda t: t.to(half) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch
-                )
-            device = device_of(module)
-            # as Lightning and PrecisionSwitch run it: no weight-cast cache
-            autocast = torch.autocast(
-                device.type, dtype=half, enabled=precision.endswith("-mixed"), cache_enabled=False
+        if fake_mode is not None:
+            stack.enter_context(fake_mode)
+            batch = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
+        if precision.endswith("-true") and half is not None:
+            batch = tree_map(
+                lambda t: t.to(half) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch
             )
-            if warm_optimizer:
-                create_optimizer_state(module, opt)
-            tracker = MemoryTracker(round_to=round_to)
-            if host_parameters:
-                tracker.track(module.parameters(), "parameters", op="parameters", host=True)
-            tracker.track_module(module)
-            tracker.label_gradients_on_arrival(module)
-            tracker.track_blocks(module, blocks)
-            tracker.track_optimizer(opt)
-            tracker.track(tensors(batch), "inputs", op="batch")
-            counter = WorkCounter(tracker)
-            peak, block_accounts, backward_end = _run_steps(
-                module, batch, step, opt, autocast, steps, device, fake_mode is not None, tracker, counter, stack
-            )
-        result = _profile_from(peak, tracker.peak_host_bytes, mode, precision, device, fake_mode is not None)
-        result.phase_peaks = dict(tracker.phase_peaks)
-        for phase in result.phase_peaks:
-            for key, less_gradients in ((phase, False), (f"{phase} less gradients", True)):
-                snapshot = tracker.phase_peak(phase, less_gradients)
-                result.phase_breakdowns[key] = snapshot.by_category()
-                result.parameter_casts[key] = sum(r.nbytes for r in snapshot.records if r.op == PARAMETER_CAST)
-        result.phase_breakdowns["backward end"] = backward_end
-        result.work_counts = {key: work.scaled(1 / steps) for key, work in counter.counts.items()}
-        result.blocks = block_accounts
-        return result
+        device = device_of(module)
+        # as Lightning and PrecisionSwitch run it: no weight-cast cache
+        autocast = torch.autocast(device.type, dtype=half, enabled=precision.endswith("-mixed"), cache_enabled=False)
+        if warm_optimizer:
+            create_optimizer_state(module, opt)
+        tracker = MemoryTracker(round_to=round_to)
+        if host_parameters:
+            tracker.track(module.parameters(), "parameters", op="parameters", host=True)
+        tracker.track_module(module)
+        tracker.label_gradients_on_arrival(module)
+        tracker.track_blocks(module, blocks)
+        tracker.track_optimizer(opt)
+        tracker.track(tensors(batch), "inputs", op="batch")
+        counter = WorkCounter(tracker)
+        peak, block_accounts, backward_end = _run_steps(
+            module, batch, step, opt, autocast, steps, device, fake_mode is not None, tracker, counter, stack
+        )
+    result = _profile_from(peak, tracker.peak_host_bytes, mode, precision, device, fake_mode is not None)
+    result.phase_peaks = dict(tracker.phase_peaks)
+    for phase in result.phase_peaks:
+        for key, less_gradients in ((phase, False), (f"{phase} less gradients", True)):
+            snapshot = tracker.phase_peak(phase, less_gradients)
+            result.phase_breakdowns[key] = snapshot.by_category()
+            result.parameter_casts[key] = sum(r.nbytes for r in snapshot.records if r.op == PARAMETER_CAST)
+    result.phase_breakdowns["backward end"] = backward_end
+    result.work_counts = {key: work.scaled(1 / steps) for key, work in counter.counts.items()}
+    result.blocks = block_accounts
+    return result
 
 
 def _run_steps(

@@ -70,6 +70,21 @@ def test_a_failed_check_makes_the_exit_code_1(monkeypatch, tmp_path, capsys, pas
     assert ("FAILED prediction: r50, 32-true" in captured.err) == (not passed)
 
 
+def test_a_section_that_raises_is_a_failed_row_and_the_run_goes_on(capsys):
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access\nmore lines")
+
+    assert gpu_truth.run_section("overflow", broken) == [
+        truth_rows.row(
+            "overflow", "the section failed", "RuntimeError", passed=False, note="CUDA error: an illegal memory access"
+        )  # fmt: skip
+    ]
+    captured = capsys.readouterr()
+    assert "Traceback" in captured.err and "FAIL overflow" in captured.out
+    fine = [truth_rows.row("overflow", "r50", "16-mixed", ratio=0.5, passed=True)]
+    assert gpu_truth.run_section("overflow", lambda: fine) == fine
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for --dry-run only where there is no CUDA device")
 def test_without_cuda_it_asks_for_the_dry_run(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["gpu_truth.py"])
