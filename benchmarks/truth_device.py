@@ -31,6 +31,7 @@ from results import cpu_trainer
 from torch import nn
 
 from lightning_memopt.memory import MemoryTracker, SimulatedDevice
+from lightning_memopt.planner import Hardware, cuda_hardware, measure_cpu
 
 _MIB = 2**20
 
@@ -90,6 +91,10 @@ class TruthDevice:
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    def hardware(self) -> Hardware:
+        """What the planner prices a step on here: the CUDA device's catalogue entry, or this CPU, measured."""
+        return cuda_hardware(self.device) if self.is_cuda else measure_cpu(0)
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (a no-op on the CPU)."""

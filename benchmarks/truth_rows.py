@@ -27,6 +27,7 @@ COLUMNS = (
     "deviation",
     "seconds",
     "ratio",
+    "predicted_ratio",
     "passed",
     "note",
 )
@@ -39,6 +40,7 @@ _HEADERS = {
     "deviation": "predicted / allocated",
     "seconds": "seconds",
     "ratio": "ratio",
+    "predicted_ratio": "planner's ratio",
     "passed": "passed",
     "note": "note",
 }
@@ -55,6 +57,7 @@ def row(
     deviation: float = math.nan,
     seconds: float = math.nan,
     ratio: float = math.nan,
+    predicted_ratio: float = math.nan,
     passed: bool | None = None,
     note: str = "",
 ) -> dict[str, Any]:
@@ -69,6 +72,7 @@ def row(
         "deviation": deviation,
         "seconds": seconds,
         "ratio": ratio,
+        "predicted_ratio": predicted_ratio,
         "passed": "" if passed is None else ("yes" if passed else "no"),
         "note": note,
     }
@@ -89,7 +93,7 @@ def _cell(column: str, value: Any) -> str:
         return f"{number + 1:.3f}"
     if column == "seconds":
         return f"{number:.4f}"
-    return f"{number:.3f}" if column == "ratio" else f"{number:.1f}"
+    return f"{number:.3f}" if column in ("ratio", "predicted_ratio") else f"{number:.1f}"
 
 
 def _shown(column: str, rows: list[dict[str, Any]]) -> bool:

@@ -23,6 +23,7 @@ from lightning_memopt.callbacks import MemoryMonitor, TrainingSummary
 from lightning_memopt.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_memopt.memory.figures import CPU_FIGURES, CUDA_FIGURES
 from lightning_memopt.memory.step_parts import quiet_logging, training_step_fn
+from lightning_memopt.planner.step_time import predicted_step_costs
 
 POLICIES: dict[str, Any] = {"none": None, "selective": "selective", "full": "preset", "offload": "offload"}
 # (variant, policy, precision); the last is compared with the first: the same step in bf16-mixed
@@ -62,6 +63,7 @@ def step_time_rows(device: TruthDevice, case: Case, rounds: int) -> list[dict]:
     del module, batch
     device.release()
     fastest = {name: min(values) for name, values in times.items()}
+    predicted = predicted_ratios(device, case)
     return [
         row(
             "step time",
@@ -69,10 +71,22 @@ def step_time_rows(device: TruthDevice, case: Case, rounds: int) -> list[dict]:
             name if name in POLICIES else f"{name} (32-true = 1)",
             seconds=fastest[name],
             ratio=fastest[name] / fastest["none"],
+            predicted_ratio=predicted[name],
             note="checkpointing: over none" if name in POLICIES else "precision: over 32-true",
         )
         for name, _, _ in _VARIANTS
     ]
+
+
+def predicted_ratios(device: TruthDevice, case: Case) -> dict[str, float]:
+    """The planner's ratio of each variant of :data:`_VARIANTS` to its baseline, priced for ``device`` (fake-mode
+    profiles on the host)."""
+    hardware = device.hardware()
+    batch = case.batch()
+    costs = predicted_step_costs(case.build, batch, hardware, POLICIES)
+    half = predicted_step_costs(case.build, batch, hardware, {"none": None}, precision="bf16-mixed")["none"]
+    ratios = {name: cost.total / costs["none"].total for name, cost in costs.items()}
+    return {**ratios, "bf16-mixed": half.total / costs["none"].total}
 
 
 def monitor_rows(device: TruthDevice, case: Case, steps: int, rounds: int) -> list[dict]:

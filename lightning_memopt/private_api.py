@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 # torch.utils._python_dispatch there too) and a public pytree module (torch.utils.pytree is not in torch 2.13)
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "CAST_OP",
@@ -46,6 +46,7 @@ __all__ = [
     "FakeTensorMode",
     "TorchDispatchMode",
     "abort_process_groups",
+    "assign_buffer",
     "attach_trainer",
     "attached_trainer",
     "copy_tensors",
@@ -68,9 +69,11 @@ __all__ = [
     "point_logging_at",
     "record_cuda_memory_history",
     "storage_base",
+    "tensor_version",
     "training_dataloader",
     "tree_flatten",
     "tree_map",
+    "tree_unflatten",
 ]
 
 # -- torch: operators a dispatch mode recognises ----------------------------------------------------------------
@@ -94,12 +97,30 @@ def storage_base(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._base if tensor._base is not None else tensor
 
 
+def tensor_version(tensor: torch.Tensor) -> int:
+    """How many times ``tensor``'s data was modified in place (views share the count with their base).
+
+    missing: a public version counter; autograd checks the same one (``Tensor._version``) before it uses a
+    saved tensor, and offloading keys its host copies by it, so a tensor changed in place is copied anew.
+    """
+    return int(tensor._version)
+
+
 def is_batch_norm(module: nn.Module) -> bool:
     """Whether ``module`` normalises by batch statistics: every BatchNorm, SyncBatchNorm and LazyBatchNorm.
 
     missing: a public base class; ``nn.modules.batchnorm._BatchNorm`` is the one they all share.
     """
     return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def assign_buffer(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make ``tensor`` the buffer ``name`` of ``module`` (it already has one of that name), as ``setattr`` would.
+
+    missing: a cheap public setter; ``nn.Module.__setattr__`` goes through ``register_buffer``'s checks, ten times
+    the cost of the dict entry it writes, and checkpointing swaps batch-norm statistics on every recomputation.
+    """
+    module._buffers[name] = tensor
 
 
 def copy_tensors(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from lightning_memopt.private_api import TorchDispatchMode, tensor_version, tree_map
+
 SAVED_OP_NAMES = (
     "mm",
     "addmm",
@@ -49,3 +51,64 @@ def selective_context() -> tuple[Any, Any]:
         True
     """
     return create_selective_checkpoint_contexts(save_expensive_ops)
+
+
+class KeepExpensive(TorchDispatchMode):
+    """A dispatch mode that keeps the outputs of :data:`SAVED_OPS` as a block's first run makes them.
+
+    :meth:`replay` gives the mode of its recomputation: those ops are not run again, their kept
+    outputs are handed back in the same order, so autograd records the same graph over the same
+    values (gradients bitwise equal) while only the cheap ops run. A kept output changed in place
+    later in the first run is no longer what the op made: :meth:`intact` says so, and the caller
+    recomputes everything instead.
+
+    Example::
+
+        >>> x, weight = torch.randn(4, 8), torch.randn(8, 8)
+        >>> keep = KeepExpensive()
+        >>> with keep:
+        ...     first = (x @ weight).relu()
+        >>> with keep.replay():
+        ...     again = (x @ weight).relu()
+        >>> len(keep.outputs), keep.intact(), torch.equal(first, again)
+        (1, True, True)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[tuple[Any, Any, list[int]]] = []  # (op, output, the versions of its tensors)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        output = func(*args, **(kwargs or {}))
+        if func in SAVED_OPS:
+            self.outputs.append((func, output, [tensor_version(t) for t in _tensors(output)]))
+        return output
+
+    def intact(self) -> bool:
+        """Whether every kept output still holds what its op made (none was changed in place since)."""
+        return all([tensor_version(t) for t in _tensors(output)] == versions for _, output, versions in self.outputs)
+
+    def replay(self) -> TorchDispatchMode:
+        """The mode for the recomputation: kept outputs in place of running their ops again."""
+        return _Replay(self.outputs)
+
+
+class _Replay(TorchDispatchMode):
+    def __init__(self, outputs: list[tuple[Any, Any, list[int]]]) -> None:
+        super().__init__()
+        self.outputs = iter(outputs)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func not in SAVED_OPS:
+            return func(*args, **(kwargs or {}))
+        kept_func, output, _ = next(self.outputs, (None, None, None))
+        if kept_func is not func:
+            raise RuntimeError(
+                f"selective checkpointing: the recomputation ran {func} where the first run had {kept_func}; the "
+                "block's forward must issue the same matmuls, convolutions and attention calls every time it runs"
+            )
+        return tree_map(lambda value: value.detach() if isinstance(value, torch.Tensor) else value, output)
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    return [output] if isinstance(output, torch.Tensor) else [t for t in output if isinstance(t, torch.Tensor)]

@@ -20,6 +20,12 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_memopt.checkpointing.offload import offload_to_host
 from lightning_memopt.checkpointing.policy import ActivationBudget, Policy, PolicySpec, parse_policy
+from lightning_memopt.checkpointing.recompute import (
+    RecomputeState,
+    cuda_devices,
+    reaches_one_input,
+    recompute_in_backward,
+)
 from lightning_memopt.checkpointing.selective import selective_context
 from lightning_memopt.private_api import is_batch_norm
 from lightning_memopt.selection import describe_model
@@ -60,6 +66,7 @@ class CheckpointedForward:
         self.module = module
         self.mode = mode
         self.previous = previous  # an instance forward that was there before ours, kept and restored
+        self.state = RecomputeState(module)  # scratch norm statistics and random draws, kept between calls
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
@@ -72,15 +79,18 @@ class CheckpointedForward:
                 return self._forward(*args, **kwargs)
         if not torch.is_grad_enabled():  # nothing is saved for backward: nothing to recompute
             return self._forward(*args, **kwargs)
-        # compiled, the recomputation is planned by the compiler and never calls back into Python
-        compiling = torch.compiler.is_compiling()
-        lean = self._lean_forward() if self.mode == "full" and not compiling else None
-        if lean is not None:
-            return lean(*args, **kwargs)
-        options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
+        compiling = torch.compiler.is_compiling()  # then the compiler plans the recomputation, never calling Python
+        if self.mode == "full" and not compiling:
+            lean = self._lean_forward()
+            if lean is not None:
+                return lean(*args, **kwargs)
+        if not compiling and reaches_one_input(args, kwargs):
+            return recompute_in_backward(self.state, self._forward, args, kwargs, selective=self.mode == "selective")
+        options: dict[str, Any] = {"use_reentrant": False}
+        options["preserve_rng_state"] = self.state.draws.known(self.module.training) is not False
         if self.mode == "selective":
             options["context_fn"] = selective_context
-        function = self._forward if compiling else _RecomputeOnScratchNormStats(self._forward, self.module)
+        function = self._forward if compiling else _FirstRunThenScratch(self.state, self._forward)
         return checkpoint(function, *args, **options, **kwargs)
 
     def _lean_forward(self) -> Callable[..., Any] | None:
@@ -224,37 +234,24 @@ def _overlaps(name: str, names: dict[str, Any]) -> bool:
     return False
 
 
-class _RecomputeOnScratchNormStats:
-    """Run ``forward``; on its recomputation in backward, let batch norms update scratch copies of their statistics.
+class _FirstRunThenScratch:
+    """The block's forward under ``torch.utils.checkpoint``: the first run learns whether the block draws random
+    numbers; the recomputation updates scratch batch-norm statistics, so running statistics move once per step.
+    Scratch buffers are swapped in by attribute assignment, so the recomputation issues exactly the ops of the
+    first run (selective checkpointing replays them one for one)."""
 
-    Without this the running mean, variance and batch count would be updated twice per step. The
-    copies are made here, before the checkpointed region, and swapped in by attribute assignment,
-    so the recomputation issues exactly the ops of the first run (selective checkpointing replays
-    them one for one).
-    """
-
-    def __init__(self, forward: Callable[..., Any], module: nn.Module) -> None:
+    def __init__(self, state: RecomputeState, forward: Callable[..., Any]) -> None:
+        self.state = state
         self.forward = forward
-        self.norms = [
-            norm for norm in module.modules() if is_batch_norm(norm) and norm.training and norm.track_running_stats
-        ]
-        self.scratch = [
-            {name: buffer.clone() for name, buffer in norm.named_buffers(recurse=False)} for norm in self.norms
-        ]
         self.calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
-        if self.calls == 1 or not self.norms:
-            return self.forward(*args, **kwargs)
-        real = [dict(norm.named_buffers(recurse=False)) for norm in self.norms]
-        self._swap_in(self.scratch)
-        try:
-            return self.forward(*args, **kwargs)
-        finally:
-            self._swap_in(real)
-
-    def _swap_in(self, buffers: list[dict[str, torch.Tensor]]) -> None:
-        for norm, named in zip(self.norms, buffers, strict=True):
-            for name, buffer in named.items():
-                setattr(norm, name, buffer)
+        if self.calls > 1:
+            with self.state.norm_stats.swapped_in():
+                return self.forward(*args, **kwargs)
+        training = self.state.module.training
+        if self.state.draws.known(training) is None:
+            devices = cuda_devices(self.state.module, (args, kwargs))
+            return self.state.draws.observe(training, lambda: self.forward(*args, **kwargs), devices)
+        return self.forward(*args, **kwargs)

@@ -20,6 +20,7 @@ from lightning_memopt.memory.tracker import allocating_on_host
 from lightning_memopt.private_api import CPU_FLASH_ATTENTION_OPS, TorchDispatchMode, tree_flatten
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+_CONVOLUTIONS = ("convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution")  # forward and backward
 _NOT_KERNELS = frozenset({"detach", "alias", "lift_fresh", "_to_copy_noop"})
 
 
@@ -33,6 +34,7 @@ class Work:
     kernels: float = 0.0
     matmul_bytes: float = 0.0  # the part of ``bytes_written`` that flop-counted ops (matmul, conv, attention) wrote
     matmul_kernels: float = 0.0
+    conv_flops: float = 0.0  # the part of ``full_flops`` that fp32 convolutions did (cuDNN runs them in TF32)
 
     def __add__(self, other: Work) -> Work:
         return Work(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Work)))
@@ -43,7 +45,7 @@ class Work:
 
     def without_matmuls(self) -> Work:
         """The cheap part: what selective checkpointing recomputes (everything but matmuls and attention)."""
-        return Work(0.0, 0.0, self.bytes_written - self.matmul_bytes, self.kernels - self.matmul_kernels, 0.0, 0.0)
+        return Work(bytes_written=self.bytes_written - self.matmul_bytes, kernels=self.kernels - self.matmul_kernels)
 
     @property
     def flops(self) -> float:
@@ -100,8 +102,8 @@ class WorkCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func.overloadpacket
-        if func.namespace != "aten" or func.is_view or packet.__name__ in _NOT_KERNELS or allocating_on_host():
-            return out  # (offload copies are priced by the bytes offloaded, over the host link)
+        if not is_kernel(func):
+            return out
         key = (getattr(self.context, "phase", ""), getattr(self.context, "current_block", ""))
         work = self.counts[key]
         written = sum(t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
@@ -115,6 +117,8 @@ class WorkCounter(TorchDispatchMode):
                 work.half_flops += flops
             else:
                 work.full_flops += flops
+                if packet.__name__.startswith(_CONVOLUTIONS):
+                    work.conv_flops += flops
             work.matmul_bytes += written
             work.matmul_kernels += 1
         return out
@@ -122,6 +126,37 @@ class WorkCounter(TorchDispatchMode):
     def total(self, phases: Iterable[str] | None = None, blocks: Iterable[str] | None = None) -> Work:
         """The work of the given phases and blocks (all of either when ``None``)."""
         return sum_work(self.counts, phases, blocks)
+
+
+def is_kernel(func: Any) -> bool:
+    """Whether an op runs a kernel of its own on the device (views, aliases and offload copies do not: the latter
+    are priced by the bytes offloaded, over the host link)."""
+    return (
+        func.namespace == "aten"
+        and not func.is_view
+        and func.overloadpacket.__name__ not in _NOT_KERNELS
+        and not allocating_on_host()
+    )
+
+
+class KernelCounter(TorchDispatchMode):
+    """Count kernels as :class:`WorkCounter` does, and nothing else (a tenth of its cost).
+
+    Example::
+
+        >>> with KernelCounter() as counter:
+        ...     _ = (torch.ones(4, 4) @ torch.ones(4, 4)).t().relu()
+        >>> counter.kernels
+        4
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.kernels += is_kernel(func)
+        return func(*args, **(kwargs or {}))
 
 
 def sum_work(

@@ -154,12 +154,15 @@ def recomputed_work(forward: Work, mode: str, lean: LeanRecompute | None = None)
 
 def held_bytes(anchor: MemoryProfile, block: str, freed: int, mode: str, lean: LeanRecompute | None = None) -> int:
     """What ``block``, freeing ``freed`` bytes in ``mode``, holds again at once while its backward runs: recomputed,
-    all of it (a lean recomputation its share); offloaded, each saved tensor comes back as its op's backward needs
+    all of it and its output (a lean recomputation its share); offloaded, each saved tensor comes back as its op's backward needs
     it: at most the bytes one kind of op saved, and the block's output."""
     account = anchor.blocks.get(block)
     if mode == "offload" and account is not None:
         return min(freed, max(account.by_op.values(), default=0) + account.output_bytes)
-    return int(freed * lean.held_fraction) if mode == "full" and lean is not None else freed
+    if lean is not None and mode == "full":
+        return int(freed * lean.held_fraction)
+    # recomputed in one piece, the block makes its output again too (its backward starts from it)
+    return freed + (account.output_bytes if account is not None else 0)
 
 
 def freed_bytes(anchor: MemoryProfile, modes: Mapping[str, str]) -> dict[str, int]:

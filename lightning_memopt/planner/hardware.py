@@ -1,8 +1,9 @@
 """The devices a plan is made for: a catalogue of GPUs, the live CUDA device, or a measured CPU
 (:mod:`~lightning_memopt.planner.calibration`).
 
-Figures are the vendors' dense peak rates (matmuls in fp32 without TF32, and fp16/bf16 on tensor
-cores), memory bandwidth, host link (PCIe, each way) and peer link (NVLink where the board has it).
+Figures are the vendors' dense peak rates (fp32 without TF32, TF32 on tensor cores where the board has
+them, fp16/bf16 on tensor cores), memory bandwidth, host link (PCIe, each way) and peer link (NVLink
+where the board has it), scaled by what a training step achieves of them (:data:`ACHIEVED`).
 Memory is what ``nvidia-smi`` reports as the card's total. The host's memory bandwidth (what a
 CPU-offloaded optimizer step streams through) is typical of the machines these boards sit in, not
 of a board: about 50 GB/s for a desktop (two DDR4 / DDR5 channels), 100 GB/s for a server socket
@@ -36,12 +37,19 @@ class Hardware:
         host_memory_gbps: the host's memory bandwidth, GB/s: the optimizer step under CPU offload
             runs at it (measured by :func:`~lightning_memopt.planner.calibration.measure_cpu`; the
             catalogue's are typical hosts).
-        kernel_seconds: the fixed cost of one kernel launch.
+        kernel_seconds: the host's time per kernel: Python, module calls, autograd and dispatch,
+            and the launch (the host work of a step is the same beside a GPU as on a CPU).
         region_seconds: the host-side cost of checkpointing, by mode (``full``, ``selective``,
             ``offload``): seconds per checkpointed block call and per forward kernel inside it
-            (saved-tensor hooks, recomputation bookkeeping, selective's per-op policy). Empty
-            (nothing) for the catalogue GPUs, whose kernels hide it in the steps worth planning;
-            measured by :func:`~lightning_memopt.planner.calibration.measure_cpu`.
+            (the recomputation's dispatch, saved-tensor hooks, selective's per-op mode), measured by
+            :func:`~lightning_memopt.planner.calibration.measure_host`.
+        tf32_tflops: TF32 rate on tensor cores, TFLOP/s (0: none). fp32 convolutions run at it while
+            ``torch.backends.cudnn.allow_tf32`` (PyTorch's default), fp32 matmuls while
+            ``torch.backends.cuda.matmul.allow_tf32`` (off by default).
+        achieved: the share of the peak arithmetic rates and memory bandwidth a training step achieves
+            (a measured CPU's rates are achieved ones: 1).
+        host_overlaps: the host queues kernels while the device runs them, so a step takes the larger of
+            the host's time and the device's (a GPU); off, the one processor does both in turn (a CPU).
         fused_attention_wins: fused attention (``sdpa``) is at least as fast as the materialised
             one (``math``) here, as on every GPU; the planner then leaves ``math`` out, since it
             also never needs less memory.
@@ -59,6 +67,9 @@ class Hardware:
     kernel_seconds: float = 5e-6
     region_seconds: dict[str, tuple[float, float]] = field(default_factory=dict)
     fused_attention_wins: bool = True
+    tf32_tflops: float = 0.0
+    achieved: float = 1.0
+    host_overlaps: bool = True
 
     @property
     def memory_gib(self) -> float:
@@ -70,26 +81,60 @@ class Hardware:
         return "bf16-mixed" if self.bf16 else "16-mixed"
 
 
+# Fitted on the first CUDA measurements (NVIDIA H200, the none and bf16-mixed step times of gpu_truth.py's cases,
+# reproduce with `python benchmarks/cost_model_h200.py`): a step achieves 45 % of the peak rates, and its host spends
+# 44 µs per kernel (Python, module calls, autograd, dispatch and the launch: the rows where bf16 did not help).
+ACHIEVED = 0.45
+HOST_KERNEL_SECONDS = 44e-6
+# What each mode of ours adds on the host per forward kernel of a wrapped block, in host kernel times: the
+# narrow models of lightning_memopt.planner.host on the CPU (`python benchmarks/host_overhead.py`).
+HOST_REGION_KERNELS = {"full": 4.1, "selective": 7.6, "offload": 4.9}
+
+
 def _gpu(
-    name: str, mib: int, bf16: bool, full: float, half: float, hbm: float, host: float, peer: float, dram: float
+    name: str,
+    mib: int,
+    bf16: bool,
+    full: float,
+    tf32: float,
+    half: float,
+    hbm: float,
+    host: float,
+    peer: float,
+    dram: float,
 ) -> Hardware:
-    return Hardware(name, mib * MIB, bf16, full, half, hbm, host, peer, dram)
+    regions = {mode: (0.0, kernels * HOST_KERNEL_SECONDS) for mode, kernels in HOST_REGION_KERNELS.items()}
+    return Hardware(
+        name,
+        mib * MIB,
+        bf16,
+        full,
+        half,
+        hbm,
+        host,
+        peer,
+        dram,
+        kernel_seconds=HOST_KERNEL_SECONDS,
+        region_seconds=regions,
+        tf32_tflops=tf32,
+        achieved=ACHIEVED,
+    )
 
 
 GPUS: dict[str, Hardware] = {
     gpu.name: gpu
     for gpu in (
-        _gpu("v100_16gb", 16160, False, 15.7, 125.0, 900.0, 12.0, 150.0, 100.0),
-        _gpu("v100_32gb", 32510, False, 15.7, 125.0, 900.0, 12.0, 150.0, 100.0),
-        _gpu("t4_16gb", 15360, False, 8.1, 65.0, 320.0, 12.0, 12.0, 100.0),
-        _gpu("rtx3090_24gb", 24576, True, 35.6, 71.0, 936.0, 25.0, 25.0, 50.0),
-        _gpu("rtx4090_24gb", 24564, True, 82.6, 165.2, 1008.0, 25.0, 25.0, 50.0),
-        _gpu("l4_24gb", 23034, True, 30.3, 121.0, 300.0, 25.0, 25.0, 100.0),
-        _gpu("a100_40gb", 40960, True, 19.5, 312.0, 1555.0, 25.0, 300.0, 100.0),
-        _gpu("a100_80gb", 81920, True, 19.5, 312.0, 2039.0, 25.0, 300.0, 100.0),
-        _gpu("a800_80gb", 81920, True, 19.5, 312.0, 2039.0, 25.0, 200.0, 100.0),
-        _gpu("h100_80gb", 81559, True, 67.0, 989.0, 3350.0, 50.0, 450.0, 150.0),
-        _gpu("h200_141gb", 143771, True, 67.0, 989.0, 4800.0, 50.0, 450.0, 150.0),
+        _gpu("v100_16gb", 16160, False, 15.7, 0.0, 125.0, 900.0, 12.0, 150.0, 100.0),
+        _gpu("v100_32gb", 32510, False, 15.7, 0.0, 125.0, 900.0, 12.0, 150.0, 100.0),
+        _gpu("t4_16gb", 15360, False, 8.1, 0.0, 65.0, 320.0, 12.0, 12.0, 100.0),
+        _gpu("rtx3090_24gb", 24576, True, 35.6, 35.6, 71.0, 936.0, 25.0, 25.0, 50.0),
+        _gpu("rtx4090_24gb", 24564, True, 82.6, 82.6, 165.2, 1008.0, 25.0, 25.0, 50.0),
+        _gpu("l4_24gb", 23034, True, 30.3, 60.0, 121.0, 300.0, 25.0, 25.0, 100.0),
+        _gpu("a100_40gb", 40960, True, 19.5, 156.0, 312.0, 1555.0, 25.0, 300.0, 100.0),
+        _gpu("a100_80gb", 81920, True, 19.5, 156.0, 312.0, 2039.0, 25.0, 300.0, 100.0),
+        _gpu("a800_80gb", 81920, True, 19.5, 156.0, 312.0, 2039.0, 25.0, 200.0, 100.0),
+        _gpu("h100_80gb", 81559, True, 67.0, 494.0, 989.0, 3350.0, 50.0, 450.0, 150.0),
+        _gpu("h200_141gb", 143771, True, 67.0, 494.0, 989.0, 4800.0, 50.0, 450.0, 150.0),
     )
 }
 # the catalogue's names, as a type (== tuple(GPUS), tests/test_public_signatures.py)

@@ -1,0 +1,51 @@
+"""The host's cost of checkpointing, measured in CI: a regression of the host work shows without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_memopt.planner.host import NARROW_MODELS, HostCosts, host_step_ratios, measure_host, narrow_model
+from tests.helpers import load_benchmark
+
+host_overhead = load_benchmark("host_overhead")
+
+
+@pytest.mark.slow  # ~40 s: every variant of both narrow models, interleaved (CI runs it after the default run)
+def test_full_checkpointing_costs_the_host_no_more_than_torch_utils_checkpoint(tmp_path):
+    path = tmp_path / "host.csv"
+    assert host_overhead.main(["--quick", "--csv", str(path)]) == 0
+    rows = host_overhead.read_rows(path)
+    for name in NARROW_MODELS:
+        ratio = {row["variant"]: float(row["over_none"]) for row in rows if row["model"] == name}
+        assert ratio["none"] == 1.0
+        assert ratio["full"] <= host_overhead.FULL_OVER_TORCH * ratio["torch"], (name, ratio)
+    regions = [row for row in rows if row["variant"].endswith("region per forward kernel")]
+    assert [row["variant"].split(":")[0] for row in regions] == ["torch", "full", "selective", "offload"]
+    table = host_overhead.table(path)
+    assert "| cnn | full |" in table and "region" not in table
+
+
+def test_the_targets_missed_are_named_with_their_numbers():
+    rows = [
+        {"model": name, "variant": variant, "over_none": value}
+        for name in NARROW_MODELS
+        for variant, value in (("none", "1"), ("torch", "2.0"), ("full", "2.2"), ("selective", "2.1"))
+    ]
+    assert host_overhead.misses(rows) == [
+        f"{name}: full 2.20× over torch's 2.00× (limit ×1.05)" for name in NARROW_MODELS
+    ]
+    rows[-1]["over_none"] = "3.0"
+    assert host_overhead.misses(rows)[-1] == "transformer: selective 3.00× is slower than full 2.20×"
+
+
+def test_host_costs_are_measured_once_per_process():
+    first = measure_host()
+    assert isinstance(first, HostCosts) and first.kernel_seconds > 0
+    assert set(first.region_seconds) == {"full", "selective", "offload"}
+    assert measure_host() is first
+
+
+def test_the_narrow_models_refuse_an_unknown_name():
+    with pytest.raises(ValueError, match=r"Unknown `name`='mlp'; valid choices: cnn, transformer"):
+        narrow_model("mlp")
+    assert host_step_ratios("transformer", rounds=1)["none"] == 1.0
