@@ -95,7 +95,9 @@ REGISTRY: dict[str, str | Renderer] = {
     "concurrent_rows.csv": "concurrent_rows:table",
     "cli_startup.csv": "cli_startup:table",
     "compile_budget.csv": "compile_budget:table",
-    "gpu_truth.csv": "gpu_truth:table",  # once a GPU session commits it (python benchmarks/gpu_truth.py)
+    "gpu_truth.csv": "gpu_truth:table",
+    "host_overhead.csv": "host_overhead:table",
+    "cost_model_h200.csv": "cost_model_h200:table",  # once a GPU session commits it (python benchmarks/gpu_truth.py)
 }
 
 MARKER = re.compile(r"<!-- table: (?P<key>[\w.-]+\.csv(?: [\w-]+)?) -->\n(?P<body>.*?)<!-- /table -->", re.S)

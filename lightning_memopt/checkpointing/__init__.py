@@ -11,7 +11,15 @@ Example::
 """
 
 from lightning_memopt.checkpointing.lean import LeanRecompute, lean_recompute
-from lightning_memopt.checkpointing.offload import offload_to_host
+from lightning_memopt.checkpointing.offload import (
+    MIN_OFFLOAD_BYTES,
+    OffloadStats,
+    offload_stats,
+    offload_to_host,
+    release_offload_buffers,
+)
+from lightning_memopt.checkpointing.offload_copies import PinnedBufferPool
+from lightning_memopt.checkpointing.offload_schedule import PrefetchSchedule
 from lightning_memopt.checkpointing.policy import (
     ActivationBudget,
     BlocksSpec,
@@ -39,15 +47,21 @@ __all__ = [
     "CheckpointMode",
     "CheckpointReport",
     "LeanRecompute",
+    "MIN_OFFLOAD_BYTES",
+    "OffloadStats",
+    "PinnedBufferPool",
     "Policy",
     "PolicySpec",
+    "PrefetchSchedule",
     "apply_activation_checkpointing",
     "check_blocks",
     "checkpoint_mode",
     "checkpoint_modules",
     "lean_recompute",
+    "offload_stats",
     "offload_to_host",
     "parse_policy",
+    "release_offload_buffers",
     "remove_activation_checkpointing",
     "selective_context",
 ]

@@ -20,12 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_memopt.checkpointing.offload import offload_to_host
 from lightning_memopt.checkpointing.policy import ActivationBudget, Policy, PolicySpec, parse_policy
-from lightning_memopt.checkpointing.recompute import (
-    RecomputeState,
-    cuda_devices,
-    reaches_one_input,
-    recompute_in_backward,
-)
+from lightning_memopt.checkpointing.recompute import reaches_one_input, recompute_in_backward
+from lightning_memopt.checkpointing.recompute_state import RecomputeState, cuda_devices
 from lightning_memopt.checkpointing.selective import selective_context
 from lightning_memopt.private_api import is_batch_norm
 from lightning_memopt.selection import describe_model

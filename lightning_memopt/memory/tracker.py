@@ -49,6 +49,7 @@ __all__ = [  # (the records are re-exported: what a tracker returns)
     "StorageRecord",
     "allocating_on_host",
     "host_memory",
+    "tracking",
 ]
 
 
@@ -475,6 +476,21 @@ _DEVICE_QUERY = torch.ops.prim.device.default
 # the trackers inside their `with` block: told of every in-place storage resize
 _RESIZE_WATCHERS: list[MemoryTracker] = []
 _TORCH_RESIZE = torch.UntypedStorage.resize_
+
+
+def tracking() -> bool:
+    """Whether a :class:`MemoryTracker` is counting now (inside its ``with`` block), in any thread.
+
+    Code that would hide an allocation from it (a buffer kept for reuse) allocates anew meanwhile.
+
+    Example::
+
+        >>> with MemoryTracker():
+        ...     inside = tracking()
+        >>> inside, tracking()
+        (True, False)
+    """
+    return bool(_RESIZE_WATCHERS)
 
 
 def _counted_resize(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:

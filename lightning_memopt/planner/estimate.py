@@ -154,11 +154,11 @@ def recomputed_work(forward: Work, mode: str, lean: LeanRecompute | None = None)
 
 def held_bytes(anchor: MemoryProfile, block: str, freed: int, mode: str, lean: LeanRecompute | None = None) -> int:
     """What ``block``, freeing ``freed`` bytes in ``mode``, holds again at once while its backward runs: recomputed,
-    all of it and its output (a lean recomputation its share); offloaded, each saved tensor comes back as its op's backward needs
-    it: at most the bytes one kind of op saved, and the block's output."""
+    all of it and its output (a lean recomputation its share); offloaded, all of it, and meanwhile the next block's
+    copies come back ahead of its backward (taken to be as large)."""
     account = anchor.blocks.get(block)
-    if mode == "offload" and account is not None:
-        return min(freed, max(account.by_op.values(), default=0) + account.output_bytes)
+    if mode == "offload":
+        return 2 * freed  # its copies back, and those of the block backward reaches next (prefetched meanwhile)
     if lean is not None and mode == "full":
         return int(freed * lean.held_fraction)
     # recomputed in one piece, the block makes its output again too (its backward starts from it)
