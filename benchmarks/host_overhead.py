@@ -8,8 +8,8 @@ autograd, dispatch, hooks), which is the same beside a GPU. On an H200 the same 
 what the GPU measured at reduced sizes (r50 batch 32: selective 3.50×, full 2.81×).
 
 Targets (issue 38): full within 5 % of torch's; selective no slower than full. ``--check`` exits 1 when
-one is missed. The last rows are the region costs the planner prices (per forward kernel of a wrapped
-block, in host kernel times: ``HOST_REGION_KERNELS`` of lightning_memopt/planner/hardware.py).
+one is missed. The last rows are the region costs the planner prices (seconds per forward kernel of a wrapped
+block, and in this host's kernel times: ``HOST_REGION_SECONDS`` of lightning_memopt/planner/hardware.py).
 
     python benchmarks/host_overhead.py            # ~2 minutes on 2 cores
     python benchmarks/host_overhead.py --quick --check

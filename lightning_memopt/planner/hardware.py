@@ -86,9 +86,10 @@ class Hardware:
 # 44 µs per kernel (Python, module calls, autograd, dispatch and the launch: the rows where bf16 did not help).
 ACHIEVED = 0.45
 HOST_KERNEL_SECONDS = 44e-6
-# What each mode of ours adds on the host per forward kernel of a wrapped block, in host kernel times: the
-# narrow models of lightning_memopt.planner.host on the CPU (`python benchmarks/host_overhead.py`).
-HOST_REGION_KERNELS = {"full": 4.1, "selective": 7.6, "offload": 4.9}
+# What each mode of ours adds on the host per forward kernel of a wrapped block, beyond queuing what it recomputes:
+# Python work, the same beside a GPU as on the CPU that measured it (the narrow models of
+# lightning_memopt.planner.host; `python benchmarks/host_overhead.py`, 2026-11-27, 2 cores).
+HOST_REGION_SECONDS = {"full": 27e-6, "selective": 73e-6, "offload": 35e-6}
 
 
 def _gpu(
@@ -103,7 +104,7 @@ def _gpu(
     peer: float,
     dram: float,
 ) -> Hardware:
-    regions = {mode: (0.0, kernels * HOST_KERNEL_SECONDS) for mode, kernels in HOST_REGION_KERNELS.items()}
+    regions = {mode: (0.0, seconds) for mode, seconds in HOST_REGION_SECONDS.items()}
     return Hardware(
         name,
         mib * MIB,
