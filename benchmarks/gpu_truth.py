@@ -74,7 +74,15 @@ def run_section(name: str, produce: Callable[[], list[dict]]) -> list[dict]:
         flag = {"yes": "ok  ", "no": "FAIL"}.get(line["passed"], "    ")
         figures = ", ".join(
             f"{key} {float(line[key]):.4g}"
-            for key in ("predicted_mib", "allocated_mib", "reserved_mib", "deviation", "seconds", "ratio")
+            for key in (
+                "predicted_mib",
+                "allocated_mib",
+                "reserved_mib",
+                "deviation",
+                "seconds",
+                "ratio",
+                "predicted_ratio",
+            )
             if not math.isnan(float(line[key]))
         )
         print(f"{flag} {name:<13}{line['case']:<30}{line['variant']:<40}{figures}  {line['note']}", flush=True)
