@@ -44,7 +44,7 @@ from truth_cases import SUITES
 from truth_device import TruthDevice
 from truth_memory import margin_row, planned_row, prediction_rows
 from truth_recovery import cuda_tests_row, overflow_row, recovery_row
-from truth_rows import failed, markdown, row
+from truth_rows import FIGURES, failed, markdown, row
 from truth_runtime import monitor_rows, step_time_rows
 
 _HERE = Path(__file__).resolve().parent
@@ -72,19 +72,7 @@ def run_section(name: str, produce: Callable[[], list[dict]]) -> list[dict]:
         produced = [row(name, "the section failed", type(error).__name__, passed=False, note=str(error).split("\n")[0])]
     for line in produced:
         flag = {"yes": "ok  ", "no": "FAIL"}.get(line["passed"], "    ")
-        figures = ", ".join(
-            f"{key} {float(line[key]):.4g}"
-            for key in (
-                "predicted_mib",
-                "allocated_mib",
-                "reserved_mib",
-                "deviation",
-                "seconds",
-                "ratio",
-                "predicted_ratio",
-            )
-            if not math.isnan(float(line[key]))
-        )
+        figures = ", ".join(f"{key} {float(line[key]):.4g}" for key in FIGURES if not math.isnan(float(line[key])))
         print(f"{flag} {name:<13}{line['case']:<30}{line['variant']:<40}{figures}  {line['note']}", flush=True)
     print(f"     {name}: {time.perf_counter() - started:.0f} s", flush=True)
     return produced

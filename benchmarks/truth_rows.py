@@ -31,6 +31,7 @@ COLUMNS = (
     "passed",
     "note",
 )
+FIGURES = COLUMNS[3:-2]  # the numbers a row may hold (NaN where its section measures none)
 _HEADERS = {
     "case": "case",
     "variant": "variant",
