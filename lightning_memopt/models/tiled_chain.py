@@ -1,11 +1,30 @@
 """A chain of 1×1 conv → InstanceNorm2d → activation stages recomputed over tiles of rows.
 
-:func:`tiled_conv_norm_act_chain` keeps nothing of the chain's size but its input and output.
-Instance norm wants statistics over the whole map: a custom autograd Function gathers them in
-passes over the tiles (Chan's combination of per-tile means and centred sums of squares, in fp32),
-saves only the input for backward, and in backward treats the statistics as leaves: one pass
-back-propagates the output gradient tile by tile, then, last stage first, one pass per stage turns
-the gradient of its statistics into a cotangent on its conv output and back-propagates that.
+:func:`tiled_conv_norm_act_chain` keeps for backward only the chain's input and each stage's
+instance-norm statistics (two numbers per sample and channel). A 1×1 conv is a matrix product over
+the pixels: the map is flattened to ``[B, C, H·W]`` and a tile of rows is a range of its columns.
+The conv bias is left out: the instance norm right after it subtracts it again, so the output is
+the same and the bias's gradient is exactly zero.
+
+Forward, one pass over the tiles per stage: each conv output is written over the one before in the
+output buffer (where no stage is wider than the last; otherwise each stage's pass recomputes the
+stages before it), and each tile's mean and variance come from one fp32 ``var_mean``, merged at
+once by Chan et al.'s formula. That is one read of the data and as accurate as instance norm's own
+(a single pass of sums and sums of squares would lose everything to Σz² − N·mean² on a map far from
+zero). A last pass normalises and activates the buffer.
+
+Backward: instance norm's gradient is closed-form, ``dz = γ·rstd·(g − mean(g) − ẑ·mean(g·ẑ))`` with
+``g`` the gradient at the norm's output and ``ẑ`` the normalised conv output, so each stage needs two
+whole-map sums per channel before any tile's ``dz``. A first pass recomputes the chain tile by tile,
+turns the output gradient into the last stage's ``g``, stores it in the input gradient's buffer and
+sums it; then, last stage first, one pass per stage recomputes the stages before it, forms ``dz``
+from the stored ``g``, adds up the weight gradient and writes the next stage's ``g`` (at the first
+stage: the input gradient) in its place. With ``K`` stages that is ``K + K(K + 1)/2`` conv forwards
+and ``2K`` conv gradient products in backward, against ``K`` and ``2K`` for plain checkpointing.
+Only the activation's derivative goes through autograd, one call per tile and pass.
+
+Over 300 lines because the forward and backward passes are one algorithm over one state (the tiles,
+the weights in the compute dtype, the statistics): split in two, each half would reach into the other's.
 """
 
 from __future__ import annotations
@@ -15,11 +34,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from lightning_memopt.models.lean_recompute import Stage, elementwise_activation, input_statistics_norm
+from lightning_memopt.models.lean_recompute import Stage, check_pieces, elementwise_activation, input_statistics_norm
+
+# tile-sized tensors (of the widest stage) that one tile of the backward holds at once: the stage input,
+# its pre-activation (kept for the activation's derivative) and its centred conv output, and the next
+# stage's conv output turned into its gradient in place (the input's gradient goes to the shared buffer)
+TILE_TENSORS = 4
 
 
 def can_tile(stages: Sequence[Sequence[nn.Module]]) -> bool:
@@ -38,6 +61,7 @@ def can_tile(stages: Sequence[Sequence[nn.Module]]) -> bool:
         and stage[0].kernel_size == (1, 1)
         and stage[0].stride == (1, 1)
         and stage[0].padding in ((0, 0), "valid")
+        and stage[0].groups == 1
         and input_statistics_norm(stage[1])
         and elementwise_activation(stage[2])
         for stage in stages
@@ -57,12 +81,31 @@ def row_tiles(height: int, tiles: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def tile_memory(stages: Sequence[Sequence[nn.Module]], shape: Sequence[int], itemsize: int = 4) -> tuple[int, int]:
+    """``(held, floor)``: what the tiled chain's backward holds at once in one tile, and what it holds however it is
+    tiled (its input, its output gradient and the buffer of its input gradient), for an input of ``shape``.
+
+    Example::
+
+        >>> stages = [(nn.Conv2d(8, 8, 1), nn.InstanceNorm2d(8), nn.SiLU())] * 3
+        >>> tile_memory(stages, (1, 8, 4, 4))   # 4 and 3 maps of 8 × 4 × 4 fp32
+        (2048, 1536)
+    """
+    batch, channels, height, width = shape
+    widths = [channels, *(stage[0].out_channels for stage in stages)]
+    pixels = batch * height * width * itemsize
+    return TILE_TENSORS * max(widths[1:]) * pixels, (widths[0] + widths[-1] + max(widths)) * pixels
+
+
 def tiled_conv_norm_act_chain(stages: Sequence[Sequence[nn.Module]], x: Tensor, tiles: int) -> Tensor:
     """The chain of ``(conv, norm, activation)`` stages over ``x`` in ``tiles`` tiles of rows; see the module doc.
 
     Keeps only ``x`` for backward (and the statistics, two numbers per sample and channel and
-    stage); backward recomputes tile by tile. Autocast is honoured (backward recomputes under the
-    forward's autocast state); the statistics are fp32. The stages must pass :func:`can_tile`.
+    stage); backward recomputes tile by tile. Autocast is honoured (the convs run in its dtype, the
+    statistics in fp32). The stages must pass :func:`can_tile`.
+
+    Raises:
+        ValueError: ``tiles`` is not a positive integer.
 
     Example::
 
@@ -74,116 +117,119 @@ def tiled_conv_norm_act_chain(stages: Sequence[Sequence[nn.Module]], x: Tensor, 
         >>> lean.shape, bool(torch.allclose(lean, plain, atol=1e-5))
         (torch.Size([2, 5, 7, 3]), True)
     """
-    chain = _Chain([tuple(stage) for stage in stages], x.shape[-2], tiles)  # type: ignore[misc]
+    check_pieces("tiles", tiles)
+    chain = _Chain([tuple(stage) for stage in stages], x.shape, tiles)  # type: ignore[misc]
     return _tiled_chain_function(x.device.type).apply(chain, x, *chain.parameters())
 
 
-class _Chain:
-    """The stages of a tiled chain, its tiles of rows, and the functional stage it evaluates on a tile."""
+def _product(weight: Tensor, h: Tensor, out: Tensor | None = None) -> Tensor:
+    """The 1×1 conv ``[out, in]`` × ``[B, in, pixels]``: one batched matrix product (``matmul`` adds a reshape)."""
+    return torch.bmm(weight.expand(h.shape[0], -1, -1), h, out=out)
 
-    def __init__(self, stages: list[Stage], height: int, tiles: int) -> None:
+
+Affine = tuple[Tensor, Tensor]  # per sample and channel, [B, C, 1], fp32: normalised = z · scale + shift
+
+
+class _Chain:
+    """The stages of a tiled chain, its tiles (ranges of the flattened pixels) and the passes over them."""
+
+    def __init__(self, stages: list[Stage], shape: Sequence[int], tiles: int) -> None:
         self.stages = stages
-        self.tiles = row_tiles(height, tiles)
+        self.shape = tuple(shape)
+        height, width = shape[-2:]
+        self.pixels = height * width
+        self.tiles = [(top * width, bottom * width) for top, bottom in row_tiles(height, tiles)]
+        self.widths = [shape[1], *(conv.out_channels for conv, _, _ in stages)]
+        self.dtype = torch.float32  # the dtype the convs run in: autocast's, else the input's (set by prepare)
+        self.weights: list[Tensor] = []
 
     def parameters(self) -> list[Tensor]:
         """The live parameters, stage by stage: conv weight, conv bias, norm weight, norm bias (those present)."""
-        found: list[Tensor] = []
-        for conv, norm, _ in self.stages:
-            found += [p for p in (conv.weight, conv.bias, norm.weight, norm.bias) if p is not None]
-        return found
+        return [p for stage, kind in self.slots() if (p := self.parameter(stage, kind)) is not None]
 
-    def conv(self, index: int, h: Tensor) -> Tensor:
-        conv = self.stages[index][0]
-        return F.conv2d(h, conv.weight, conv.bias, 1, 0, conv.dilation, conv.groups)
+    def slots(self) -> list[tuple[int, int]]:
+        """``(stage, kind)`` of each of :meth:`parameters` (kind 0…3 as listed there)."""
+        return [(i, k) for i in range(len(self.stages)) for k in range(4) if self.parameter(i, k) is not None]
 
-    def norm_act(self, index: int, z: Tensor, mean: Tensor, var: Tensor) -> Tensor:
-        """Instance norm of ``z`` by the given whole-map statistics (computed in fp32), then the activation."""
-        _, norm, act = self.stages[index]
-        scale = torch.rsqrt(var + norm.eps)
-        if norm.weight is not None:
-            scale = scale * norm.weight
-        normalised = (z.float() - mean[:, :, None, None]) * scale[:, :, None, None]
-        if norm.bias is not None:
-            normalised = normalised + norm.bias[:, None, None]
-        return act(normalised.to(z.dtype))
+    def parameter(self, stage: int, kind: int) -> Tensor | None:
+        conv, norm, _ = self.stages[stage]
+        return (conv.weight, conv.bias, norm.weight, norm.bias)[kind]
 
-    def run(self, h: Tensor, stats: Sequence[tuple[Tensor, Tensor]], stages: int) -> Tensor:
-        """The first ``stages`` stages on the tile ``h``, normalised by ``stats``."""
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Cast each conv weight once to the compute dtype, as a ``[out, in]`` matrix."""
+        self.dtype = dtype
+        self.weights = [conv.weight.detach().reshape(conv.out_channels, -1).to(dtype) for conv, _, _ in self.stages]
+
+    def affine(self, index: int, mean: Tensor, rstd: Tensor) -> Affine:
+        norm = self.stages[index][1]
+        scale = rstd if norm.weight is None else rstd * norm.weight.detach()
+        shift = -mean * scale if norm.bias is None else norm.bias.detach() - mean * scale
+        return scale[..., None], shift[..., None]
+
+    def norm_act(self, index: int, z: Tensor, affine: Affine) -> Tensor:
+        """Instance norm of the conv output ``z`` by its whole-map ``affine`` (in fp32), then the activation."""
+        return self.stages[index][2](torch.addcmul(affine[1], z, affine[0]).to(self.dtype))
+
+    def run(self, tile: Tensor, affines: Sequence[Affine], stages: int) -> Tensor:
+        """The first ``stages`` stages on the input ``tile``."""
+        h = tile.to(self.dtype)
         for index in range(stages):
-            h = self.norm_act(index, self.conv(index, h), *stats[index])
+            h = self.norm_act(index, _product(self.weights[index], h), affines[index])
         return h
 
-    def forward(self, x: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        """The chain's output and each stage's whole-map (mean, biased variance) per sample and channel, fp32.
-
-        Where no stage has more channels than the last, the output is the workspace: each stage's
-        conv output is written over its input tile by tile, so each conv runs once. Otherwise each
-        stage's statistics take one pass recomputing the stages before it, then a last pass writes the output.
-        """
-        channels = [conv.out_channels for conv, _, _ in self.stages]
-        if max(channels) > channels[-1]:
-            return self._forward_recomputing(x)
-        out: Tensor | None = None
-        stats: list[tuple[Tensor, Tensor]] = []
-        for index, width in enumerate(channels):
-            moments = _Moments()
-            for top, bottom in self.tiles:
-                if index == 0 or out is None:
-                    h = x[:, :, top:bottom]
-                else:  # the previous stage's conv output, normalised and activated
-                    h = self.norm_act(index - 1, out[:, : channels[index - 1], top:bottom], *stats[-1])
-                z = self.conv(index, h)
-                if out is None:
-                    out = z.new_empty((z.shape[0], channels[-1], *x.shape[2:]))
-                out[:, :width, top:bottom] = z
-                moments.add(z)
-            stats.append(moments.result())
-        assert out is not None
-        for top, bottom in self.tiles:
-            out[:, :, top:bottom] = self.norm_act(len(channels) - 1, out[:, :, top:bottom], *stats[-1])
-        return out, stats
-
-    def _forward_recomputing(self, x: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        stats: list[tuple[Tensor, Tensor]] = []
-        for index in range(len(self.stages)):
-            moments = _Moments()
-            for top, bottom in self.tiles:
-                moments.add(self.conv(index, self.run(x[:, :, top:bottom], stats, index)))
-            stats.append(moments.result())
-        out: Tensor | None = None
-        for top, bottom in self.tiles:
-            tile = self.run(x[:, :, top:bottom], stats, len(stats))
-            if out is None:
-                out = tile.new_empty((*tile.shape[:2], *x.shape[2:]))
-            out[:, :, top:bottom] = tile
-        assert out is not None
-        return out, stats
-
-
-class _Moments:
-    """Per sample and channel mean and centred sum of squares over tiles, merged by Chan et al.'s formula, fp32."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.mean: Tensor | None = None
-        self.m2: Tensor | None = None
-
-    def add(self, z: Tensor) -> None:
-        var, mean = torch.var_mean(z.float(), dim=(2, 3), correction=0)
-        size = z.shape[2] * z.shape[3]
-        if self.mean is None or self.m2 is None:
-            self.mean, self.m2 = mean, var * size
+    def statistics(self, index: int, moments: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """Stage ``index``'s whole-map (mean, 1 / std) from its tiles' (variance, mean), merged by Chan's formula."""
+        eps = self.stages[index][1].eps
+        if len(moments) == 1:
+            var, mean = moments[0]
         else:
-            delta = mean - self.mean
-            total = self.count + size
-            self.mean = self.mean + delta * (size / total)
-            self.m2 = self.m2 + var * size + delta.square() * (self.count * size / total)
-        self.count += size
+            variances, means = (torch.stack(values) for values in zip(*moments, strict=True))
+            sizes = [(bottom - top) / self.pixels for top, bottom in self.tiles]
+            weights = torch.tensor(sizes, dtype=torch.float32, device=means.device)[:, None, None]
+            mean = (weights * means).sum(0)
+            var = (weights * (variances + (means - mean).square())).sum(0)
+        return mean, torch.rsqrt(var + eps)
 
-    def result(self) -> tuple[Tensor, Tensor]:
-        """(mean, biased variance), as instance norm normalises by."""
-        assert self.mean is not None and self.m2 is not None
-        return self.mean, self.m2 / self.count
+    def forward(self, x: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """The chain's output and each stage's whole-map (mean, 1 / std) per sample and channel, fp32."""
+        flat = x.reshape(x.shape[0], self.widths[0], self.pixels)
+        widths, count = self.widths, len(self.stages)
+        workspace = max(widths[1:]) <= widths[-1]  # conv outputs written over each other in the output buffer
+        out = flat.new_empty((flat.shape[0], widths[-1], self.pixels), dtype=self.dtype)
+        stats: list[tuple[Tensor, Tensor]] = []
+        affines: list[Affine] = []
+        # in fp32 the stage's whole conv output ends up in the buffer: one var_mean over it, not one per tile
+        whole = workspace and self.dtype == torch.float32
+        for index in range(count):
+            moments = [
+                self.forward_tile(flat, out, index, top, bottom, affines, workspace) for top, bottom in self.tiles
+            ]
+            if whole:
+                moments = [torch.var_mean(out[:, : widths[index + 1]], dim=2, correction=0)]
+            stats.append(self.statistics(index, moments))  # type: ignore[arg-type]
+            affines.append(self.affine(index, *stats[-1]))
+        for top, bottom in self.tiles:
+            if workspace:
+                tile = out[:, :, top:bottom]
+                tile.copy_(self.norm_act(count - 1, tile, affines[-1]))
+            else:
+                out[:, :, top:bottom] = self.run(flat[:, :, top:bottom], affines, count)
+        return out.view(flat.shape[0], widths[-1], *self.shape[2:]), stats
+
+    def forward_tile(
+        self, flat: Tensor, out: Tensor, index: int, top: int, bottom: int, affines: list[Affine], workspace: bool
+    ) -> tuple[Tensor, Tensor] | None:
+        """Stage ``index``'s conv output on a tile (written to the buffer where it is the workspace); its (var, mean)
+        in fp32 unless the whole stage's are taken from the buffer in fp32 at once."""
+        if not workspace:
+            z = _product(self.weights[index], self.run(flat[:, :, top:bottom], affines, index))
+            return torch.var_mean(z.float(), dim=2, correction=0)
+        if index:
+            h = self.norm_act(index - 1, out[:, : self.widths[index], top:bottom], affines[-1])
+        else:
+            h = flat[:, :, top:bottom].to(self.dtype)
+        z = _product(self.weights[index], h, out=out[:, : self.widths[index + 1], top:bottom])
+        return None if z.dtype == torch.float32 else torch.var_mean(z.float(), dim=2, correction=0)
 
 
 @functools.cache
@@ -194,7 +240,11 @@ def _tiled_chain_function(device_type: str) -> type[torch.autograd.Function]:
         @staticmethod
         @torch.amp.custom_fwd(device_type=device_type)
         def forward(ctx: Any, chain: _Chain, x: Tensor, *parameters: Tensor) -> Tensor:
-            out, stats = chain.forward(x)
+            autocast = torch.is_autocast_enabled(device_type)
+            with torch.autocast(device_type, enabled=False):  # the dtypes are explicit from here on
+                chain.prepare(torch.get_autocast_dtype(device_type) if autocast else x.dtype)
+                out, stats = chain.forward(x)
+            chain.weights = []
             ctx.chain = chain
             ctx.save_for_backward(x, *(value for pair in stats for value in pair))
             return out
@@ -204,52 +254,166 @@ def _tiled_chain_function(device_type: str) -> type[torch.autograd.Function]:
         @torch.amp.custom_bwd(device_type=device_type)
         def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
             x, *flat = ctx.saved_tensors
-            return (None, *_tiled_backward(ctx.chain, x, flat, grad, ctx.needs_input_grad[1]))
+            stats = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+            with torch.autocast(device_type, enabled=False):
+                ctx.chain.prepare(ctx.chain.dtype)
+                grads = _Backward(ctx.chain, x, stats, ctx.needs_input_grad[1:]).run(grad)
+            ctx.chain.weights = []
+            return (None, *grads)
 
     return TiledConvNormActChain
 
 
-def _tiled_backward(chain: _Chain, x: Tensor, flat: list[Tensor], grad: Tensor, need_x: bool) -> list[Tensor | None]:
-    """Gradients of the input and of every parameter of the chain; see the module doc."""
-    stats = [(flat[i].detach().requires_grad_(), flat[i + 1].detach().requires_grad_()) for i in range(0, len(flat), 2)]
-    parameters = chain.parameters()
-    wanted = [p for p in parameters if p.requires_grad]
-    grad_x = torch.zeros_like(x) if need_x else None
-    sums: dict[int, Tensor] = {}  # gradients summed over tiles and passes, by id of the parameter or statistic
+class _Backward:
+    """The backward passes of a tiled chain (see the module doc): one for the output gradient, one per stage."""
 
-    def back(output: Tensor, cotangent: Tensor, rows: tuple[int, int], tile: Tensor, leaves: list[Tensor]) -> None:
-        """Back-propagate ``cotangent`` from ``output``, made of ``tile`` (those rows of ``x``) and ``leaves``."""
-        inputs = [tile, *leaves] if need_x else leaves
-        if not output.requires_grad or not inputs:  # frozen stages, an input without gradient
-            return
-        grads = list(torch.autograd.grad(output, inputs, cotangent, allow_unused=True))
-        if need_x and (grad_tile := grads.pop(0)) is not None:
-            assert grad_x is not None
-            grad_x[:, :, rows[0] : rows[1]] += grad_tile
-        for leaf, value in zip(leaves, grads, strict=True):
-            if value is not None:
-                sums[id(leaf)] = sums[id(leaf)] + value if id(leaf) in sums else value
+    def __init__(self, chain: _Chain, x: Tensor, stats: list[tuple[Tensor, Tensor]], needs: Sequence[bool]) -> None:
+        self.chain, self.stats = chain, stats
+        self.flat = x.reshape(x.shape[0], chain.widths[0], chain.pixels)
+        self.x = x
+        self.need_x = needs[0]
+        count = len(chain.stages)
+        wanted = [slot for slot, need in zip(chain.slots(), needs[1:], strict=True) if need]
+        self.wanted = wanted
+        self.need_weight = [(index, 0) in wanted for index in range(count)]
+        need_norm = [(index, 2) in wanted or (index, 3) in wanted for index in range(count)]
+        # the last stage whose pass must run: the first stage, for the input gradient; else the first one with a conv
+        # weight to train, or just after the first one with a norm to train (whose sums the pass after it gives)
+        lowest = [index for index in range(count) if self.need_weight[index]]
+        lowest += [index + 1 for index in range(count) if need_norm[index]]
+        self.stop = 0 if self.need_x else min(lowest, default=count + 1)
+        self.need_sums = [need_norm[index] or index >= self.stop for index in range(count)]
+        self.affines = [chain.affine(index, *pair) for index, pair in enumerate(stats)]
+        self.sums: list[tuple[Tensor, Tensor] | None] = [None] * count  # Σ g and Σ g·(z − mean) per sample and channel
+        self.weight_grads: list[Tensor | None] = [None] * count
 
-    def tile_of(top: int, bottom: int) -> Tensor:
-        return x[:, :, top:bottom].detach().requires_grad_(need_x)
+    def run(self, grad: Tensor) -> list[Tensor | None]:
+        chain, count = self.chain, len(self.chain.stages)
+        if self.stop > count:  # nothing wanted but conv biases: their gradients are zero
+            return self.gradients()
+        widths = chain.widths
+        buffer_width = max(widths if self.need_x else widths[1:])
+        batch = self.flat.shape[0]
+        # g of each stage in turn, then the input gradient: the buffer the input gradient is returned in
+        self.buffer = self.flat.new_empty((batch, buffer_width, chain.pixels), dtype=chain.dtype)
+        output_grad = grad.reshape(batch, widths[-1], chain.pixels)
+        # each tile in a function of its own: its tensors are freed before the next tile's are made
+        parts = [self.output_tile(top, bottom, output_grad) for top, bottom in chain.tiles]
+        self.sums[count - 1] = self.add_up(parts)
+        for index in reversed(range(self.stop, count)):
+            self.stage_pass(index)
+        return self.gradients()
 
-    stat_leaves = [value for pair in stats for value in pair]
-    for rows in chain.tiles:  # the output gradient, the statistics held fixed
+    def output_tile(self, top: int, bottom: int, output_grad: Tensor) -> tuple[Tensor, Tensor]:
+        """The output gradient on a tile through the last stage's activation: that stage's ``g``, kept, and sums."""
+        index = len(self.chain.stages) - 1
+        centred, pre, post = self.recompute(top, bottom, index)
+        g = torch.autograd.grad(post, pre, output_grad[:, :, top:bottom])[0]
+        del pre, post
+        return self.store(g, centred, top, bottom, index)
+
+    def recompute(self, top: int, bottom: int, index: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Stage ``index`` on a tile: its centred conv output (fp32), its pre-activation (a leaf) and its output."""
+        chain = self.chain
+        h = chain.run(self.flat[:, :, top:bottom], self.affines, index)
+        z = _product(chain.weights[index], h)
+        del h
+        centred = z - self.stats[index][0][..., None]
+        scale, shift = self.affines[index]
+        pre = torch.addcmul(shift, z, scale).to(chain.dtype).requires_grad_()
+        del z
+        act = chain.stages[index][2]
         with torch.enable_grad():
-            tile = tile_of(*rows)
-            output = chain.run(tile, stats, len(chain.stages))
-            back(output, grad[:, :, rows[0] : rows[1]], rows, tile, wanted + stat_leaves)
-    count = x.shape[2] * x.shape[3]
-    for index in reversed(range(len(chain.stages))):  # then what each stage's statistics pass on, last stage first
-        mean, var = stats[index]
-        # d mean / dz = 1 / count, d var / dz = 2 (z - mean) / count
-        grad_mean, grad_var = (sums.get(id(leaf), torch.zeros_like(leaf))[:, :, None, None] for leaf in (mean, var))
-        earlier = [value for pair in stats[:index] for value in pair]
-        for rows in chain.tiles:
-            with torch.enable_grad():
-                tile = tile_of(*rows)
-                z = chain.conv(index, chain.run(tile, stats, index))
-                cotangent = z.detach().float() - mean.detach()[:, :, None, None]  # one tile, then in place
-                cotangent.mul_(grad_var * (2 / count)).add_(grad_mean / count)
-                back(z, cotangent.to(z.dtype), rows, tile, wanted + earlier)
-    return [grad_x, *(sums.get(id(p)) if p.requires_grad else None for p in parameters)]
+            post = act(pre.clone() if getattr(act, "inplace", False) else pre)
+        return centred, pre, post
+
+    def store(self, g: Tensor, centred: Tensor, top: int, bottom: int, index: int) -> tuple[Tensor, Tensor]:
+        """Keep stage ``index``'s ``g`` on a tile in the buffer (where a later pass needs it); its two sums."""
+        if index >= self.stop:
+            self.buffer[:, : self.chain.widths[index + 1], top:bottom].copy_(g)
+        g = g.float()
+        return g.sum(2), torch.einsum("bcn,bcn->bc", g, centred)
+
+    def add_up(self, parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        if len(parts) == 1:
+            return parts[0]
+        return torch.stack([s for s, _ in parts]).sum(0), torch.stack([s for _, s in parts]).sum(0)
+
+    def stage_pass(self, index: int) -> None:
+        """Stage ``index``'s conv-output gradient tile by tile: its weight gradient, and the stage before's ``g``."""
+        total, centred_sum = self.sums[index]  # type: ignore[misc]
+        mean, rstd = self.stats[index]
+        norm = self.chain.stages[index][1]
+        gain = rstd if norm.weight is None else rstd * norm.weight.detach()
+        # dz = gain · (g − Σg / N − (z − mean) · rstd² · Σ g(z − mean) / N) = gain · g + slope · (z − mean) + offset
+        slope = -gain * rstd.square() * centred_sum / self.chain.pixels
+        offset = -gain * total / self.chain.pixels
+        coefficients = (mean[..., None], gain[..., None], slope[..., None], offset[..., None])
+        parts = [self.stage_tile(index, top, bottom, coefficients) for top, bottom in self.chain.tiles]
+        if index and self.need_sums[index - 1]:
+            self.sums[index - 1] = self.add_up([part for part in parts if part is not None])
+
+    def stage_tile(
+        self, index: int, top: int, bottom: int, coefficients: tuple[Tensor, Tensor, Tensor, Tensor]
+    ) -> tuple[Tensor, Tensor] | None:
+        """Stage ``index`` on a tile: ``dz``, its weight gradient, and the stage before's ``g`` (kept) and sums."""
+        chain, widths = self.chain, self.chain.widths
+        mean, gain, slope, offset = coefficients
+        before = index - 1
+        if index:
+            centred, pre, post = self.recompute(top, bottom, before)
+            h = post  # the stage's input (grad mode is off: the products below record nothing)
+        else:
+            h = self.flat[:, :, top:bottom].to(chain.dtype)
+        weight = chain.weights[index]
+        z = _product(weight, h)
+        dz = z.sub_(mean) if z.dtype == torch.float32 else z - mean
+        del z
+        torch.addcmul(offset, dz, slope, out=dz)
+        dz = dz.addcmul_(self.buffer[:, : widths[index + 1], top:bottom], gain).to(chain.dtype)
+        if self.need_weight[index]:
+            self.add_weight_grad(index, dz, h)
+        del h
+        if index and self.need_sums[before]:
+            target = self.buffer[:, : widths[index], top:bottom]
+            _product(weight.mT, dz, out=target)
+            del dz
+            g = torch.autograd.grad(post, pre, target)[0]
+            del pre, post
+            return self.store(g, centred, top, bottom, before)
+        if not index and self.need_x:
+            _product(weight.mT, dz, out=self.buffer[:, : widths[0], top:bottom])
+        return None
+
+    def add_weight_grad(self, index: int, dz: Tensor, h: Tensor) -> None:
+        found = self.weight_grads[index]
+        if found is None:
+            shape = (dz.shape[0], dz.shape[1], h.shape[1])
+            found = self.weight_grads[index] = dz.new_zeros(shape, dtype=torch.float32)
+        if dz.dtype == torch.float32:
+            found.baddbmm_(dz, h.mT)
+        else:
+            found.add_(torch.bmm(dz, h.mT))
+
+    def gradients(self) -> list[Tensor | None]:
+        """The input gradient, then each parameter's (None where none is wanted)."""
+        chain = self.chain
+        grad_x = None
+        if self.need_x:
+            grad_x = self.buffer[:, : chain.widths[0]].reshape(self.x.shape).to(self.x.dtype)
+        found: list[Tensor | None] = [grad_x]
+        for index, kind in chain.slots():
+            parameter = chain.parameter(index, kind)
+            assert parameter is not None
+            if (index, kind) not in self.wanted:
+                found.append(None)
+            elif kind == 0:
+                total = self.weight_grads[index]
+                found.append(None if total is None else total.sum(0).view_as(parameter).to(parameter.dtype))
+            elif kind == 1:  # the conv bias right before an instance norm: no effect, so exactly zero
+                found.append(torch.zeros_like(parameter))
+            else:
+                total, centred_sum = self.sums[index]  # type: ignore[misc]
+                value = (centred_sum * self.stats[index][1]).sum(0) if kind == 2 else total.sum(0)
+                found.append(value.to(parameter.dtype))
+        return found

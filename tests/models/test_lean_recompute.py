@@ -4,13 +4,15 @@ What is bitwise equal to the plain module (``torch.equal``) and what only within
 (``torch.testing.assert_close``: default fp32 tolerances for chunks, ``CHAIN_TOLERANCE`` for the
 chain) because chunks and tiles change the order of summation:
 
-* bitwise: a stage in one chunk (the plain ops on the whole weight), and the fallbacks (plain
-  checkpointing of a stage or chain the lean path refuses);
+* bitwise: a stage in one chunk and a chain in one tile (plain checkpointing, which they fall back
+  to), and the fallbacks (plain checkpointing of a stage or chain the lean path refuses);
 * within rounding: a stage in several chunks — its input gradient sums the chunks' contributions,
   and oneDNN picks its conv kernels by channel count, so the outputs and weight gradients of a
   chunk are bitwise on this CPU only for some channel counts (multiples of 8 here), never promised;
-* within rounding: the tiled chain (statistics merged over tiles, gradients summed over tiles and
-  passes), for every output and gradient.
+* within rounding: the tiled chain (statistics merged over tiles, instance norm's gradient in closed
+  form, gradients summed over tiles), for every output and gradient, in one tile too.
+
+How many chunks and tiles memory needs: tests/models/test_lean_pieces.py.
 """
 
 import copy
@@ -117,6 +119,16 @@ def test_the_tiled_chain_matches_within_rounding(tiles, channels):
     chain = _chain(channels, tiles=tiles)
     x, grad = torch.randn(2, 6, 7, 5), torch.randn(2, channels[-1], 7, 5)
     plain, lean = _step(chain, x, grad), _step(chain, x, grad, chain.checkpointed_forward)
+    _assert_close(_names(chain), plain, lean, **CHAIN_TOLERANCE)
+
+
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_the_tiled_function_in_one_or_two_tiles_matches_within_rounding(tiles):
+    chain = _chain((6, 8, 8, 5))  # the module would checkpoint one tile plainly: the function itself here
+    x, grad = torch.randn(2, 6, 7, 5), torch.randn(2, 5, 7, 5)
+    plain = _step(chain, x, grad)
+    lean = _step(chain, x, grad, lambda x: tiled_conv_norm_act_chain(list(chain), x, tiles))
+    assert tiled_conv_norm_act_chain(list(chain), x.requires_grad_(), tiles).grad_fn.name().startswith("TiledConv")
     _assert_close(_names(chain), plain, lean, **CHAIN_TOLERANCE)
 
 
