@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_memopt.checkpointing import PolicySpec, checkpoint_modules
@@ -78,5 +79,18 @@ def _profile(
 ) -> Any:
     prepare = (lambda model: checkpoint_modules(model, policy)) if policy is not None else None
     return profile_step(
-        build, batch, mode="fake", precision=precision, steps=1, prepare_model=prepare, loss_fn=loss_fn, blocks=blocks
+        build,
+        batch,
+        mode="fake",
+        precision=precision,
+        steps=1,
+        prepare_model=prepare,
+        loss_fn=loss_fn,
+        optimizer=_unpriced_optimizer,
+        blocks=blocks,
     )
+
+
+def _unpriced_optimizer(parameters: Any) -> torch.optim.Optimizer:
+    # the profile needs an optimizer; its step is not priced (forward and backward only), so any will do
+    return torch.optim.SGD(parameters, lr=0.0)
