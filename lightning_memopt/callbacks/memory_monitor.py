@@ -47,12 +47,15 @@ class MemoryMonitor(Callback):
     When a training step raises an out-of-memory error it writes, into ``report_dir``:
     ``oom_report.txt`` (live memory by category and top-level module, largest tensors, what to try
     with estimated savings), ``oom_timeline.png`` (memory over the failing step; needs matplotlib)
-    and on CUDA ``oom_snapshot.pickle`` (allocator history; open it at https://pytorch.org/memory_viz).
+    and on CUDA ``oom_snapshot.pickle`` (the allocator's segments and blocks live at the failure, and with
+    ``record_cuda_history=True`` where each block was allocated; open it at https://pytorch.org/memory_viz).
 
     Args:
         every_n_steps: sample every this many optimizer steps (and the first).
         report_dir: where OOM files go; default ``<trainer.default_root_dir>/memopt``.
-        record_cuda_history: record CUDA allocator history for the snapshot (small overhead).
+        record_cuda_history: record the CUDA allocator's history (a stack trace for every allocation) from
+            fit start, so that the OOM snapshot shows where each block came from. Off by default: on an
+            H200 it made a fit 1.43× slower, sampled or not (``benchmarks/gpu_truth.py``'s monitor rows).
         prometheus_port: also serve the device's figures as Prometheus gauges (``memopt_peak_allocated_gb``,
             …; on the CPU only the two it has) on this port (+ local rank), from fit start to teardown;
             needs ``prometheus_client`` (extra ``prometheus``).
@@ -80,7 +83,7 @@ class MemoryMonitor(Callback):
         self,
         every_n_steps: int = 50,
         report_dir: str | Path | None = None,
-        record_cuda_history: bool = True,
+        record_cuda_history: bool = False,
         prometheus_port: int | None = None,
         prometheus_address: str = "127.0.0.1",
         prog_bar: bool = False,
