@@ -31,6 +31,7 @@ from lightning_memopt.accumulation.split import (
     with_loss,
 )
 from lightning_memopt.memory.oom import is_oom_error, release_memory
+from lightning_memopt.random_state import capture_random_state, restore_random_state
 
 LOSS_REDUCTIONS = ("mean", "sum")
 LossReduction = Literal["mean", "sum"]  # == LOSS_REDUCTIONS
@@ -292,11 +293,13 @@ class MicroBatchRunner:
     def _run_chunk(self, run: _Run, start: int, stop: int) -> tuple[str, Exception | None] | None:
         """Run samples ``start:stop``: ``None``, or the error's message and, for a size error, the error itself.
 
-        The buffers are put back after an error. An out-of-memory error is not kept: its traceback
-        holds the failed piece's tensors.
+        The buffers and the random generators are put back after an error, so the pieces that redo
+        it draw what it would have drawn. An out-of-memory error is not kept: its traceback holds the
+        failed piece's tensors.
         """
         largest_before, run.largest_tried = run.largest_tried, max(run.largest_tried, stop - start)
         snapshot: dict[str, torch.Tensor] = {}
+        random_state = None if self.lockstep else capture_random_state()  # lockstep raises: nothing is redone
         try:
             # parameters whose gradient already holds these samples (from a backward that failed later on) take none
             with run.coverage.piece(stop):
@@ -315,6 +318,8 @@ class MicroBatchRunner:
             return None
         for name, saved in snapshot.items():  # by name: a forward may have assigned a new tensor
             self.module.get_buffer(name).copy_(saved)
+        if random_state is not None:
+            restore_random_state(random_state)
         return caught
 
     def _forward_backward(self, run: _Run, chunk: Any, samples: int) -> None:

@@ -166,6 +166,44 @@ def test_buffers_are_restored_when_a_micro_batch_fails():
     assert model.seen.item() == 5
 
 
+class DropoutNet(Net):
+    """Net with dropout after the first layer, so each sample's draws come from the generator's stream."""
+
+    def forward(self, x):
+        self.calls += 1
+        hidden = nn.functional.dropout(torch.tanh(self.first(x)), 0.5)
+        if self.forward_limit is not None and x.shape[0] > self.forward_limit:
+            raise injected_oom()  # after the dropout drew its mask: the failed attempt advanced the generator
+        if self.backward_limit is not None:
+            hidden = FailInBackward.apply(hidden, self.backward_limit)
+        return self.second(hidden)
+
+
+@pytest.mark.parametrize("limits", [{"forward_limit": 4}, {"backward_limit": 4}])
+def test_a_redone_piece_draws_what_the_whole_batch_would_have(limits):
+    # on the CPU the generator is sequential, so 8 samples redone as 4 + 4 draw the 8 samples' masks
+    whole = DropoutNet()
+    torch.manual_seed(5)
+    loss_fn(whole)(BATCH).backward()
+    model = DropoutNet(**limits)
+    torch.manual_seed(5)
+    result = MicroBatchRunner(model).run(loss_fn(model), BATCH, None, backward=torch.Tensor.backward)
+    assert len(result.oom_errors) >= 1
+    assert_close([p.grad for p in model.parameters()], [p.grad for p in whole.parameters()])
+
+
+def test_without_the_generators_put_back_a_redone_piece_draws_other_masks(monkeypatch):
+    monkeypatch.setattr("lightning_memopt.accumulation.micro_batch.restore_random_state", lambda state: None)
+    whole = DropoutNet()
+    torch.manual_seed(5)
+    loss_fn(whole)(BATCH).backward()
+    model = DropoutNet(forward_limit=4)
+    torch.manual_seed(5)
+    MicroBatchRunner(model).run(loss_fn(model), BATCH, None, backward=torch.Tensor.backward)
+    difference = (model.first.weight.grad - whole.first.weight.grad).norm() / whole.first.weight.grad.norm()
+    assert difference > 1e-2
+
+
 def test_every_sample_counted_once_under_a_simulated_device():
     embedding = nn.Embedding(32, 1)
     nn.init.zeros_(embedding.weight)

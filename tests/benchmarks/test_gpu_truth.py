@@ -163,6 +163,12 @@ def test_gradients_are_compared_by_the_norm_of_their_difference():
         truth_recovery.relative_difference(ours, reference * 2)
 
 
+def test_the_recovery_check_runs_without_random_layers():
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.3), torch.nn.Dropout2d(0.1))
+    assert truth_recovery.without_random_layers(module) == ["1", "2"]
+    assert module[1].p == 0.0 and module[2].p == 0.0
+
+
 def test_the_cpu_device_measures_the_tracker_and_caps_with_a_simulated_device():
     device = truth_device.TruthDevice.detect(prefer_cuda=False)
     assert not device.is_cuda and device.total_bytes > 0 and device.context_bytes == 0

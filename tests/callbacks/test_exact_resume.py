@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import TensorDataset
 
 from lightning_memopt.callbacks import LastCheckpoint, RandomStateCheckpoint
-from lightning_memopt.callbacks.random_state import capture_random_state, restore_random_state
+from lightning_memopt.random_state import capture_random_state, restore_random_state
 from lightning_memopt.data import SyntheticFaceDataModule
 from lightning_memopt.data.resumable import ResumableDataLoader
 from lightning_memopt.tasks import FaceRecognitionModule
