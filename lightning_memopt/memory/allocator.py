@@ -10,10 +10,12 @@ import torch
 from lightning_memopt.arguments import check_fraction, check_optional_bool, check_optional_int
 
 ENV_VAR = "PYTORCH_CUDA_ALLOC_CONF"
+USER_VARIABLES = (ENV_VAR, "PYTORCH_ALLOC_CONF")  # either configures the CUDA allocator (the second since torch 2.9)
+AUTO = "auto"
 
 
 def allocator_settings(
-    expandable_segments: bool | None = None,
+    expandable_segments: bool | str | None = None,
     max_split_size_mb: int | None = None,
     garbage_collection_threshold: float | None = None,
 ) -> dict[str, str]:
@@ -21,7 +23,9 @@ def allocator_settings(
 
     Args:
         expandable_segments: grow segments instead of allocating new ones (less fragmentation); a
-            bool or a word (``"on"`` / ``"off"``, ``"true"`` / ``"false"``, ``"yes"`` / ``"no"``, ``"1"`` / ``"0"``).
+            bool or a word (``"on"`` / ``"off"``, ``"true"`` / ``"false"``, ``"yes"`` / ``"no"``, ``"1"`` / ``"0"``),
+            or ``"auto"``: on, unless the user configured the allocator (``PYTORCH_CUDA_ALLOC_CONF`` or
+            ``PYTORCH_ALLOC_CONF`` set), whose settings are then left as they are.
         max_split_size_mb: blocks larger than this are never split; must be more than 20.
         garbage_collection_threshold: reclaim cached blocks when usage passes this fraction, in (0, 1).
 
@@ -35,7 +39,12 @@ def allocator_settings(
         {'expandable_segments': 'True', 'max_split_size_mb': '128'}
     """
     settings: dict[str, str] = {}
-    expandable_segments = check_optional_bool("expandable_segments", expandable_segments)
+    if isinstance(expandable_segments, str) and expandable_segments.strip().lower() == AUTO:
+        expandable_segments = None if user_configured_allocator() else True
+    try:
+        expandable_segments = check_optional_bool("expandable_segments", expandable_segments)
+    except ValueError as error:
+        raise ValueError(str(error).replace("true, false or null", "true, false, null or auto")) from None
     if expandable_segments is not None:
         settings["expandable_segments"] = str(expandable_segments)
     max_split_size_mb = check_optional_int("max_split_size_mb", max_split_size_mb, minimum=21)
@@ -49,8 +58,13 @@ def allocator_settings(
     return settings
 
 
+def user_configured_allocator() -> bool:
+    """Whether this process's environment configures the CUDA caching allocator already."""
+    return any(os.environ.get(name) for name in USER_VARIABLES)
+
+
 def configure_allocator(
-    expandable_segments: bool | None = None,
+    expandable_segments: bool | str | None = None,
     max_split_size_mb: int | None = None,
     garbage_collection_threshold: float | None = None,
 ) -> str | None:

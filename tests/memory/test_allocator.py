@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from lightning_memopt.cli.train import train
-from lightning_memopt.memory.allocator import ENV_VAR, allocator_retries, allocator_settings, configure_allocator
+from lightning_memopt.memory.allocator import (
+    ENV_VAR,
+    USER_VARIABLES as ALLOCATOR_VARIABLES,
+    allocator_retries,
+    allocator_settings,
+    configure_allocator,
+)
 from tests.helpers import TINY_FACE
 
 
@@ -37,9 +43,9 @@ def test_a_warning_when_cuda_is_already_initialised(monkeypatch):
         (
             {"expandable_segments": "maybe"},
             ValueError,
-            r"`expandable_segments` must be true, false or null, got 'maybe'",
+            r"`expandable_segments` must be true, false, null or auto, got 'maybe'",
         ),
-        ({"expandable_segments": 2}, ValueError, r"`expandable_segments` must be true, false or null, got 2 \(int\)"),
+        ({"expandable_segments": 2}, ValueError, r"`expandable_segments` must be true, false, null or auto, got 2 \(int\)"),
         ({"max_split_size_mb": 20}, ValueError, r"`max_split_size_mb` must be an integer ≥ 21, got 20"),
         ({"max_split_size_mb": -64}, ValueError, r"`max_split_size_mb` must be an integer ≥ 21, got -64"),
         ({"max_split_size_mb": 64.5}, TypeError, r"`max_split_size_mb` must be an integer ≥ 21, got 64.5 \(float\)"),
@@ -74,6 +80,33 @@ def test_memopt_train_writes_the_allocator_options_before_it_starts(compose_trai
         compose_train(*TINY_FACE, "memopt.allocator.expandable_segments=true", "memopt.allocator.max_split_size_mb=256")
     )
     assert os.environ[ENV_VAR] == "expandable_segments:True,max_split_size_mb:256"
+
+
+@pytest.mark.parametrize(
+    ("environment", "expected"),
+    [
+        ({}, "expandable_segments:True"),
+        ({ENV_VAR: "max_split_size_mb:64"}, "max_split_size_mb:64"),  # the user's settings, untouched
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, None),  # torch's newer name counts too
+    ],
+)
+def test_memopt_train_grows_segments_unless_the_user_configured_the_allocator(
+    compose_train, monkeypatch, environment, expected
+):
+    for name in ALLOCATOR_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    train(compose_train(*TINY_FACE))
+    assert os.environ.get(ENV_VAR) == expected
+
+
+def test_auto_is_a_word_of_the_python_function_too(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert allocator_settings(expandable_segments="AUTO") == {"expandable_segments": "True"}
+    monkeypatch.setenv(ENV_VAR, "garbage_collection_threshold:0.8")
+    assert allocator_settings(expandable_segments="auto") == {}
 
 
 def test_no_allocator_retries_off_cuda():
