@@ -38,12 +38,19 @@ def _prepare(policy: str | None) -> Any:
     return None if policy is None else lambda module: apply_activation_checkpointing(module, policy)
 
 
-def predicted_peak(suite: str, index: int, precision: str, policy: str | None) -> int:
-    """Fake-mode peak of case ``index`` of ``suite``'s predictions (run in a worker: cases are found by index)."""
+def predicted_peak(suite: str, index: int, precision: str, policy: str | None, device_type: str = "cuda") -> int:
+    """Fake-mode peak of case ``index`` of ``suite``'s predictions (run in a worker: cases are found by index),
+    following ``device_type``'s autocast lists."""
     torch.set_num_threads(1)
     case = SUITES[suite].predictions[index]
     profile = profile_step(
-        case.build, case.batch(), mode="fake", precision=precision, prepare_model=_prepare(policy), round_to=512
+        case.build,
+        case.batch(),
+        mode="fake",
+        precision=precision,
+        prepare_model=_prepare(policy),
+        round_to=512,
+        device_type=device_type,
     )
     return profile.peak_bytes
 
@@ -91,7 +98,7 @@ def prediction_rows(device: TruthDevice, suite: str, workers: int) -> tuple[list
     context = multiprocessing.get_context("spawn")  # never fork a process that has started CUDA
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         futures: dict[tuple[int, str, str | None], Future[int]] = {
-            (index, precision, policy): pool.submit(predicted_peak, suite, index, precision, policy)
+            (index, precision, policy): pool.submit(predicted_peak, suite, index, precision, policy, device.device.type)
             for index in range(len(cases))
             for precision, policy in VARIANTS
         }

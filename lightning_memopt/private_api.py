@@ -40,8 +40,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+# -- torch: the active function modes ---------------------------------------------------------------------------
+# missing: a public way to list the TorchFunctionModes active on this thread (autograd's engine runs a backward
+# without them, so a recomputation in backward must enter again the ones its forward ran under)
+from torch.overrides import _get_current_function_mode_stack as active_function_modes
+
 __all__ = [
     "CAST_OP",
+    "active_function_modes",
     "CPU_FLASH_ATTENTION_OPS",
     "FakeTensorMode",
     "TorchDispatchMode",

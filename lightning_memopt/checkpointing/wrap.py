@@ -23,6 +23,7 @@ from lightning_memopt.checkpointing.policy import ActivationBudget, Policy, Poli
 from lightning_memopt.checkpointing.recompute import reaches_one_input, recompute_in_backward
 from lightning_memopt.checkpointing.recompute_state import RecomputeState, cuda_devices
 from lightning_memopt.checkpointing.selective import selective_context
+from lightning_memopt.memory.autocast_lists import under_lists_of_forward
 from lightning_memopt.private_api import is_batch_norm
 from lightning_memopt.selection import describe_model
 
@@ -80,13 +81,15 @@ class CheckpointedForward:
             lean = self._lean_forward()
             if lean is not None:
                 return lean(*args, **kwargs)
+        # a profile planning for CUDA on the CPU: the recomputation follows the autocast lists the forward did
+        forward = under_lists_of_forward(self._forward)
         if not compiling and reaches_one_input(args, kwargs):
-            return recompute_in_backward(self.state, self._forward, args, kwargs, selective=self.mode == "selective")
+            return recompute_in_backward(self.state, forward, args, kwargs, selective=self.mode == "selective")
         options: dict[str, Any] = {"use_reentrant": False}
         options["preserve_rng_state"] = self.state.draws.known(self.module.training) is not False
         if self.mode == "selective":
             options["context_fn"] = selective_context
-        function = self._forward if compiling else _FirstRunThenScratch(self.state, self._forward)
+        function = forward if compiling else _FirstRunThenScratch(self.state, forward)
         return checkpoint(function, *args, **options, **kwargs)
 
     def _lean_forward(self) -> Callable[..., Any] | None:

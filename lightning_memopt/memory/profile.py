@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memopt.memory.autocast_lists import CudaAutocastLists
 from lightning_memopt.memory.step_parts import (
     LossFn,
     ModelSource,
@@ -33,6 +34,7 @@ from lightning_memopt.memory.work import Work, WorkCounter, sum_work
 from lightning_memopt.private_api import FakeTensorMode, disable_current_modes, tree_map
 from lightning_memopt.vocabulary import GIB, PROFILE_PRECISIONS
 
+DEVICE_TYPES = ("cpu", "cuda")  # the autocast op lists a profile can follow
 MODES = ("real", "fake")
 _HALF = {"bf16": torch.bfloat16, "16": torch.float16}
 
@@ -107,6 +109,7 @@ def profile_step(
     warm_optimizer: bool = False,
     blocks: tuple[str, ...] = (),
     host_parameters: bool = False,
+    device_type: str | None = None,
 ) -> MemoryProfile:
     """Run ``steps`` full training steps (forward, loss, backward, optimizer) and profile their memory.
 
@@ -138,10 +141,14 @@ def profile_step(
         host_parameters: count the parameters as they are after ``prepare_model``, their gradients
             and optimizer state as host memory (``host_bytes``): an FSDP model offloaded to the CPU
             (``CPUOffloadPolicy``), profiled on a machine whose device is the host itself.
+        device_type: the device the step is for, whose autocast op lists a ``-mixed`` precision follows:
+            ``"cuda"`` follows CUDA's on the CPU too (:class:`~lightning_memopt.memory.autocast_lists.CudaAutocastLists`:
+            fp32 ``layer_norm``, ``softmax``, ``sum``, … where CPU autocast keeps bf16), ``"cpu"`` the CPU's;
+            ``None``: the device the module is on.
 
     Raises:
-        ValueError: for an unknown ``mode`` or ``precision``, ``steps`` < 1, or a plain module
-            without ``loss_fn`` / ``optimizer``.
+        ValueError: for an unknown ``mode``, ``precision`` or ``device_type``, ``steps`` < 1, or a plain
+            module without ``loss_fn`` / ``optimizer``.
 
     Example::
 
@@ -159,6 +166,8 @@ def profile_step(
         raise ValueError(f"Unknown `precision`={precision!r}; valid choices: {', '.join(PROFILE_PRECISIONS)}")
     if steps < 1:
         raise ValueError(f"`steps`={steps!r} must be at least 1")
+    if device_type not in (None, *DEVICE_TYPES):
+        raise ValueError(f"Unknown `device_type`={device_type!r}; valid choices: {', '.join(DEVICE_TYPES)}, None")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if mode == "fake" else None
     with contextlib.ExitStack() as stack:
         if fake_mode is not None:
@@ -183,6 +192,9 @@ def profile_step(
         device = device_of(module)
         # as Lightning and PrecisionSwitch run it: no weight-cast cache
         autocast = torch.autocast(device.type, dtype=half, enabled=precision.endswith("-mixed"), cache_enabled=False)
+        if precision.endswith("-mixed") and device.type == "cpu" and device_type == "cuda":
+            # forward and the backward's recomputations: it acts only where CPU autocast is on
+            stack.enter_context(CudaAutocastLists(half))
         if warm_optimizer:
             create_optimizer_state(module, opt)
         tracker = MemoryTracker(round_to=round_to)

@@ -62,4 +62,5 @@ def _timed_rates(memory_bytes: int, size: int, repeats: int) -> Hardware:
         region_seconds=dict(host.region_seconds),
         fused_attention_wins=False,
         host_overlaps=False,
+        device_type="cpu",
     )

@@ -139,13 +139,13 @@ def plan_checkpointing(
         raise ValueError(f"no blocks to checkpoint for `blocks`={blocks!r}: {describe_model(described)}")
     if optimizer is None and not is_lightning_module(described):
         optimizer = _plain_sgd
-    anchor = profile_step(
-        factory, batch, loss_fn=loss_fn, optimizer=optimizer, mode="fake", precision=precision, steps=1,
-        blocks=tuple(names),
-    )  # fmt: skip
     if hardware is None:
         cuda = torch.cuda.is_available()
         hardware = cuda_hardware(torch.device("cuda", torch.cuda.current_device())) if cuda else measure_cpu(0)
+    anchor = profile_step(
+        factory, batch, loss_fn=loss_fn, optimizer=optimizer, mode="fake", precision=precision, steps=1,
+        blocks=tuple(names), device_type=hardware.device_type,
+    )  # fmt: skip
     frontier = Frontier(block_options(anchor, names, hardware, lean=lean), ActivationPeaks.of(anchor))
     target = budget_bytes(budget, frontier.peaks.unchecked)
     modes = frontier.fastest(target)

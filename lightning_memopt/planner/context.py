@@ -85,6 +85,7 @@ class SearchContext:
             prepare_model=prepare,
             round_to=ROUND_TO,
             blocks=tuple(self.blocks) if knobs.checkpoint == "none" and model is None else (),
+            device_type=self.hardware.device_type,
         )
         self.profiles += 1
         if self.progress is not None:

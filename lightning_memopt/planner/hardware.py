@@ -50,6 +50,8 @@ class Hardware:
             (a measured CPU's rates are achieved ones: 1).
         host_overlaps: the host queues kernels while the device runs them, so a step takes the larger of
             the host's time and the device's (a GPU); off, the one processor does both in turn (a CPU).
+        device_type: ``"cuda"`` or ``"cpu"``: the autocast op lists the planner's profiles follow (a bf16
+            step keeps other tensors in fp32 on CUDA than on the CPU).
         fused_attention_wins: fused attention (``sdpa``) is at least as fast as the materialised
             one (``math``) here, as on every GPU; the planner then leaves ``math`` out, since it
             also never needs less memory.
@@ -70,6 +72,7 @@ class Hardware:
     tf32_tflops: float = 0.0
     achieved: float = 1.0
     host_overlaps: bool = True
+    device_type: str = "cuda"
 
     @property
     def memory_gib(self) -> float:

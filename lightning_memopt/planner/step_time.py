@@ -45,10 +45,10 @@ def predicted_step_costs(
     """
     wrapped = {name: _modes(build, policy) for name, policy in policies.items()}
     blocks = tuple(dict.fromkeys(block for modes in wrapped.values() for block in modes))
-    anchor = _profile(build, batch, precision, None, loss_fn, blocks)
+    anchor = _profile(build, batch, hardware, precision, None, loss_fn, blocks)
     costs = {}
     for name, policy in policies.items():
-        profile = anchor if policy is None else _profile(build, batch, precision, policy, loss_fn, ())
+        profile = anchor if policy is None else _profile(build, batch, hardware, precision, policy, loss_fn, ())
         regions: dict[str, tuple[int, float]] = {}
         for block, mode in wrapped[name].items():
             account = anchor.blocks.get(block)
@@ -72,6 +72,7 @@ def _modes(build: Callable[[], nn.Module], policy: PolicySpec | None) -> dict[st
 def _profile(
     build: Callable[[], nn.Module],
     batch: Any,
+    hardware: Hardware,
     precision: str,
     policy: PolicySpec | None,
     loss_fn: Callable[[nn.Module, Any], Any] | None,
@@ -88,6 +89,7 @@ def _profile(
         loss_fn=loss_fn,
         optimizer=_unpriced_optimizer,
         blocks=blocks,
+        device_type=hardware.device_type,
     )
 
 

@@ -45,7 +45,11 @@ def test_a_warning_when_cuda_is_already_initialised(monkeypatch):
             ValueError,
             r"`expandable_segments` must be true, false, null or auto, got 'maybe'",
         ),
-        ({"expandable_segments": 2}, ValueError, r"`expandable_segments` must be true, false, null or auto, got 2 \(int\)"),
+        (
+            {"expandable_segments": 2},
+            ValueError,
+            r"`expandable_segments` must be true, false, null or auto, got 2 \(int\)",
+        ),
         ({"max_split_size_mb": 20}, ValueError, r"`max_split_size_mb` must be an integer ≥ 21, got 20"),
         ({"max_split_size_mb": -64}, ValueError, r"`max_split_size_mb` must be an integer ≥ 21, got -64"),
         ({"max_split_size_mb": 64.5}, TypeError, r"`max_split_size_mb` must be an integer ≥ 21, got 64.5 \(float\)"),
