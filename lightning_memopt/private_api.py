@@ -33,17 +33,17 @@ from torch import nn
 # step in it to predict a GPU's memory on the CPU
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
+# -- torch: the active function modes ---------------------------------------------------------------------------
+# missing: a public way to list the TorchFunctionModes active on this thread (autograd's engine runs a backward
+# without them, so a recomputation in backward must enter again the ones its forward ran under)
+from torch.overrides import _get_current_function_mode_stack as active_function_modes
+
 # -- torch: dispatch modes and pytrees ---------------------------------------------------------------------
 # missing: a public module for TorchDispatchMode (documented in the "extending PyTorch" notes, imported from
 # torch.utils._python_dispatch there too) and a public pytree module (torch.utils.pytree is not in torch 2.13)
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-
-# -- torch: the active function modes ---------------------------------------------------------------------------
-# missing: a public way to list the TorchFunctionModes active on this thread (autograd's engine runs a backward
-# without them, so a recomputation in backward must enter again the ones its forward ran under)
-from torch.overrides import _get_current_function_mode_stack as active_function_modes
 
 __all__ = [
     "CAST_OP",

@@ -41,24 +41,112 @@ from lightning_memopt.private_api import active_function_modes, is_fake, tree_fl
 
 # The Python names the ops of CUDA's lists are reached by (functional, torch, Tensor method and operator forms).
 FP32 = frozenset(
-    "acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow __pow__ __rpow__ softplus "
-    "layer_norm group_norm frobenius_norm nuclear_norm cosine_similarity poisson_nll_loss cosine_embedding_loss "
-    "nll_loss hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss mse_loss margin_ranking_loss "
-    "multilabel_margin_loss soft_margin_loss triplet_margin_loss multi_margin_loss binary_cross_entropy_with_logits "
-    "dist pdist cdist renorm logsumexp cross_entropy".split()
+    [
+        "acos",
+        "asin",
+        "cosh",
+        "erfinv",
+        "exp",
+        "expm1",
+        "log",
+        "log10",
+        "log2",
+        "log1p",
+        "reciprocal",
+        "rsqrt",
+        "sinh",
+        "tan",
+        "pow",
+        "__pow__",
+        "__rpow__",
+        "softplus",
+        "layer_norm",
+        "group_norm",
+        "frobenius_norm",
+        "nuclear_norm",
+        "cosine_similarity",
+        "poisson_nll_loss",
+        "cosine_embedding_loss",
+        "nll_loss",
+        "hinge_embedding_loss",
+        "kl_div",
+        "l1_loss",
+        "smooth_l1_loss",
+        "huber_loss",
+        "mse_loss",
+        "margin_ranking_loss",
+        "multilabel_margin_loss",
+        "soft_margin_loss",
+        "triplet_margin_loss",
+        "multi_margin_loss",
+        "binary_cross_entropy_with_logits",
+        "dist",
+        "pdist",
+        "cdist",
+        "renorm",
+        "logsumexp",
+        "cross_entropy",
+    ]
 )
 FP32_SET_DTYPE = frozenset(
-    "prod softmax log_softmax cumprod cumsum vector_norm matrix_norm linalg_vector_norm linalg_matrix_norm sum "
-    "norm".split()
+    [
+        "prod",
+        "softmax",
+        "log_softmax",
+        "cumprod",
+        "cumsum",
+        "vector_norm",
+        "matrix_norm",
+        "linalg_vector_norm",
+        "linalg_matrix_norm",
+        "sum",
+        "norm",
+    ]
 )
 PROMOTE = frozenset(
-    "addcdiv addcmul atan2 bilinear cross dot grid_sample grid_sampler index_put tensordot scatter_add".split()
+    [
+        "addcdiv",
+        "addcmul",
+        "atan2",
+        "bilinear",
+        "cross",
+        "dot",
+        "grid_sample",
+        "grid_sampler",
+        "index_put",
+        "tensordot",
+        "scatter_add",
+    ]
 )
-LOWER_ON_CUDA_ONLY = frozenset("addmv addr einsum mv chain_matmul multi_dot".split())
+LOWER_ON_CUDA_ONLY = frozenset(["addmv", "addr", "einsum", "mv", "chain_matmul", "multi_dot"])
 FP32_ON_CPU_ONLY = frozenset(
-    "avg_pool3d max_pool3d adaptive_avg_pool3d adaptive_max_pool3d max_unpool2d max_unpool3d pad polar quantile "
-    "nanquantile stft trace view_as_complex cholesky cholesky_inverse cholesky_solve inverse lu_solve orgqr ormqr "
-    "pinverse binary_cross_entropy ctc_loss fractional_max_pool2d fractional_max_pool3d".split()
+    [
+        "avg_pool3d",
+        "max_pool3d",
+        "adaptive_avg_pool3d",
+        "adaptive_max_pool3d",
+        "max_unpool2d",
+        "max_unpool3d",
+        "pad",
+        "polar",
+        "quantile",
+        "nanquantile",
+        "stft",
+        "trace",
+        "view_as_complex",
+        "cholesky",
+        "cholesky_inverse",
+        "cholesky_solve",
+        "inverse",
+        "lu_solve",
+        "orgqr",
+        "ormqr",
+        "pinverse",
+        "binary_cross_entropy",
+        "ctc_loss",
+        "fractional_max_pool2d",
+        "fractional_max_pool3d",
+    ]
 )
 _LOWER = (torch.float16, torch.bfloat16)
 

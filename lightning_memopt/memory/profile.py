@@ -142,8 +142,8 @@ def profile_step(
             and optimizer state as host memory (``host_bytes``): an FSDP model offloaded to the CPU
             (``CPUOffloadPolicy``), profiled on a machine whose device is the host itself.
         device_type: the device the step is for, whose autocast op lists a ``-mixed`` precision follows:
-            ``"cuda"`` follows CUDA's on the CPU too (:class:`~lightning_memopt.memory.autocast_lists.CudaAutocastLists`:
-            fp32 ``layer_norm``, ``softmax``, ``sum``, … where CPU autocast keeps bf16), ``"cpu"`` the CPU's;
+            ``"cuda"`` follows CUDA's on the CPU too (fp32 ``layer_norm``, ``softmax``, ``sum``, … where CPU
+            autocast keeps bf16; see :mod:`lightning_memopt.memory.autocast_lists`), ``"cpu"`` the CPU's;
             ``None``: the device the module is on.
 
     Raises:

@@ -6,10 +6,12 @@ import torch
 from lightning_memopt.cli.train import train
 from lightning_memopt.memory.allocator import (
     ENV_VAR,
-    USER_VARIABLES as ALLOCATOR_VARIABLES,
     allocator_retries,
     allocator_settings,
     configure_allocator,
+)
+from lightning_memopt.memory.allocator import (
+    USER_VARIABLES as ALLOCATOR_VARIABLES,
 )
 from tests.helpers import TINY_FACE
 

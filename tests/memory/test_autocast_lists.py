@@ -4,8 +4,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_memopt.memory import profile_step
-from lightning_memopt.private_api import FakeTensorMode
 from lightning_memopt.memory.autocast_lists import CudaAutocastLists
+from lightning_memopt.private_api import FakeTensorMode
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

@@ -163,7 +163,10 @@ def test_the_head_at_its_chosen_counts_is_as_exact_as_the_plain_head():
     torch.manual_seed(0)
     head = NormalHead(16, deconv_channels=(8, 8, 8), conv_channels=(8, 8, 8), dropout=0.0)
     x = torch.randn(2, 16, 4, 3)
-    counts = [stage.chunk_count(s) for stage, s in zip(head.upsample, [(2, 16, 4, 3), (2, 8, 8, 6), (2, 8, 16, 12)])]
+    counts = [
+        stage.chunk_count(s)
+        for stage, s in zip(head.upsample, [(2, 16, 4, 3), (2, 8, 8, 6), (2, 8, 16, 12)], strict=True)
+    ]
     assert counts == [1, 1, 2] and head.refine.tile_count((2, 8, 32, 24)) == 11
     grad = torch.randn(2, 3, 32, 24)
     plain = _step(head, x, grad, head)
