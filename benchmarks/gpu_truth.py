@@ -9,7 +9,7 @@ Sections (one CSV, one markdown table per section, the device and its driver in 
 
 - prediction: each preset at a reduced input, fp32 and bf16-mixed, with and without its blocks
   checkpointed: the fake-mode peak (nothing allocated, computed in worker processes) against
-  ``torch.cuda.max_memory_allocated``, beside ``max_memory_reserved``. A prediction more than 10% off fails.
+  ``torch.cuda.max_memory_allocated``, beside ``max_memory_reserved``. A prediction more than 5% off fails.
 - calibration: the least planner ``safety_margin`` that would have kept every measured step on the device.
 - planner: MemoryBudget plans for a device of the model states and half the rest of the case's unchecked
   fp32 peak; the fit runs on the device capped there (``set_per_process_memory_fraction``): the chosen
@@ -21,7 +21,7 @@ Sections (one CSV, one markdown table per section, the device and its driver in 
 - overflow: PrecisionSwitch 16-mixed with an inf gradient injected: the scaler skips the step, halves the scale.
 - cuda tests: ``pytest -m cuda`` over the project's tests.
 
-It exits with 1 when any check fails (a prediction more than 10% off included), after writing everything.
+It exits with 1 when any check fails (a prediction more than 5% off included), after writing everything.
 On a CPU it runs ``--dry-run`` only: the tiny presets, the tracker for the allocator and a
 ``SimulatedDevice`` for the capped device. How to recalibrate the planner from the CSV: docs/benchmarks.md.
 """

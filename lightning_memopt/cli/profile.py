@@ -28,8 +28,18 @@ if TYPE_CHECKING:
 def profile(cfg: DictConfig) -> MemoryProfile:
     """Profile one step of ``cfg.model`` on a batch of ``cfg.data`` under ``cfg.trainer.precision``."""
     from lightning_memopt.cli.plan_config import first_batch, instantiate_model
-    from lightning_memopt.memory.profile import profile_step
+    from lightning_memopt.memory.profile import DEVICE_TYPES, profile_step
+    from lightning_memopt.planner.hardware import gpu
 
+    device_type, workspace = None, None
+    if cfg.profile.mode == "fake":  # a real step runs on its own device, with its own lists and workspaces
+        device_type = cfg.profile.get("device_type", "cuda")
+        if device_type not in DEVICE_TYPES:
+            raise ValueError(
+                f"Unknown `profile.device_type`={device_type!r}; valid choices: {', '.join(DEVICE_TYPES)}"
+            )
+        if device_type == "cuda":
+            workspace = gpu(cfg.profile.get("gpu", "h100_80gb")).workspace
     return profile_step(
         lambda: instantiate_model(cfg.model),
         first_batch(cfg),
@@ -37,6 +47,8 @@ def profile(cfg: DictConfig) -> MemoryProfile:
         precision=str(cfg.trainer.precision),
         steps=cfg.profile.steps,
         round_to=cfg.profile.round_to,
+        device_type=device_type,
+        workspace=workspace,
     )
 
 

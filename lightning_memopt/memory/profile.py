@@ -30,6 +30,7 @@ from lightning_memopt.memory.tracker import (
     MemorySnapshot,
     MemoryTracker,
 )
+from lightning_memopt.memory.workspace import LibraryWorkspace
 from lightning_memopt.memory.work import Work, WorkCounter, sum_work
 from lightning_memopt.private_api import FakeTensorMode, disable_current_modes, tree_map
 from lightning_memopt.vocabulary import GIB, PROFILE_PRECISIONS
@@ -110,6 +111,7 @@ def profile_step(
     blocks: tuple[str, ...] = (),
     host_parameters: bool = False,
     device_type: str | None = None,
+    workspace: LibraryWorkspace | None = None,
 ) -> MemoryProfile:
     """Run ``steps`` full training steps (forward, loss, backward, optimizer) and profile their memory.
 
@@ -145,6 +147,8 @@ def profile_step(
             ``"cuda"`` follows CUDA's on the CPU too (fp32 ``layer_norm``, ``softmax``, ``sum``, … where CPU
             autocast keeps bf16; see :mod:`lightning_memopt.memory.autocast_lists`), ``"cpu"`` the CPU's;
             ``None``: the device the module is on.
+        workspace: the library workspaces to count beside the tensors (cuBLAS's, cuDNN's: a CUDA
+            device's, from its :class:`~lightning_memopt.planner.Hardware`); ``None``: tensors only.
 
     Raises:
         ValueError: for an unknown ``mode``, ``precision`` or ``device_type``, ``steps`` < 1, or a plain
@@ -197,7 +201,7 @@ def profile_step(
             stack.enter_context(CudaAutocastLists(half))
         if warm_optimizer:
             create_optimizer_state(module, opt)
-        tracker = MemoryTracker(round_to=round_to)
+        tracker = MemoryTracker(round_to=round_to, workspace=workspace)
         if host_parameters:
             tracker.track(module.parameters(), "parameters", op="parameters", host=True)
         tracker.track_module(module)

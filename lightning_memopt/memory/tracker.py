@@ -36,6 +36,7 @@ from lightning_memopt.memory.records import (
     host_memory,
     storages,
 )
+from lightning_memopt.memory.workspace import CONVOLUTION_OPS, MATMUL_OPS, LibraryWorkspace
 from lightning_memopt.private_api import CAST_OP, TorchDispatchMode, tree_flatten
 
 __all__ = [  # (the records are re-exported: what a tracker returns)
@@ -75,6 +76,9 @@ class MemoryTracker(TorchDispatchMode):
         round_to: round every storage up to a multiple of this many bytes (512 mimics the CUDA
             caching allocator's block size); 1 counts exact bytes.
         record_timeline: keep ``(event, live bytes, phase)`` for every allocation and free.
+        workspace: count the library workspaces a CUDA step holds beside its tensors (see
+            :mod:`lightning_memopt.memory.workspace`), as ``temporaries`` of op ``cublas workspace``
+            (kept) and ``cudnn workspace`` (during each convolution); ``None`` counts tensors only.
 
     Example::
 
@@ -87,11 +91,15 @@ class MemoryTracker(TorchDispatchMode):
         (1024, 2048)
     """
 
-    def __init__(self, round_to: int = 1, record_timeline: bool = False) -> None:
+    def __init__(
+        self, round_to: int = 1, record_timeline: bool = False, workspace: LibraryWorkspace | None = None
+    ) -> None:
         super().__init__()
         if round_to < 1:
             raise ValueError(f"`round_to`={round_to!r} must be at least 1")
         self.round_to = round_to
+        self.workspace = workspace
+        self._cublas_phases: set[str] = set()  # the phases whose thread has its cuBLAS workspace
         self.phase = "setup"
         self.live_bytes = 0
         self.gradient_bytes = 0  # of live_bytes: those labelled gradients now
@@ -462,7 +470,32 @@ class MemoryTracker(TorchDispatchMode):
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 self._add(tensor, category, op)
+        if self.workspace is not None:
+            self._count_workspace(op, args, out)
         return out
+
+    def _count_workspace(self, op: str, args: Any, out: Any) -> None:
+        assert self.workspace is not None
+        if op in MATMUL_OPS and self.phase in ("forward", "backward") and self.phase not in self._cublas_phases:
+            self._cublas_phases.add(self.phase)  # kept from the thread's first product on
+            self._workspace_record(self.workspace.cublas_bytes, "cublas workspace", kept=True)
+        elif op in CONVOLUTION_OPS:
+            sizes = [t.numel() * t.element_size() for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
+            self._workspace_record(self.workspace.transient_bytes(max(sizes), 0), "cudnn workspace", kept=False)
+
+    def _workspace_record(self, nbytes: int, op: str, kept: bool) -> None:
+        nbytes = self._rounded(nbytes)
+        if nbytes == 0:
+            return
+        record = StorageRecord(nbytes, "temporaries", self.attribution.current_module, op, (nbytes,), torch.uint8)
+        key = -self._events - 1  # no storage has a negative id
+        with self._lock:
+            self._grow(nbytes, record)
+            self._records[key] = record
+            if not kept:  # freed when the kernel ends: a peak it made keeps it among its records
+                self._settle()
+                del self._records[key]
+                self._drop(record, nbytes)
 
     def _is_parameter(self, tensor: Any) -> bool:
         if not isinstance(tensor, torch.Tensor):

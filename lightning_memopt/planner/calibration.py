@@ -63,4 +63,5 @@ def _timed_rates(memory_bytes: int, size: int, repeats: int) -> Hardware:
         fused_attention_wins=False,
         host_overlaps=False,
         device_type="cpu",
+        workspace=None,
     )

@@ -144,7 +144,7 @@ def plan_checkpointing(
         hardware = cuda_hardware(torch.device("cuda", torch.cuda.current_device())) if cuda else measure_cpu(0)
     anchor = profile_step(
         factory, batch, loss_fn=loss_fn, optimizer=optimizer, mode="fake", precision=precision, steps=1,
-        blocks=tuple(names), device_type=hardware.device_type,
+        blocks=tuple(names), device_type=hardware.device_type, workspace=hardware.workspace,
     )  # fmt: skip
     frontier = Frontier(block_options(anchor, names, hardware, lean=lean), ActivationPeaks.of(anchor))
     target = budget_bytes(budget, frontier.peaks.unchecked)

@@ -86,6 +86,7 @@ class SearchContext:
             round_to=ROUND_TO,
             blocks=tuple(self.blocks) if knobs.checkpoint == "none" and model is None else (),
             device_type=self.hardware.device_type,
+            workspace=self.hardware.workspace,
         )
         self.profiles += 1
         if self.progress is not None:

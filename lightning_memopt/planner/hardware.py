@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from lightning_memopt.arguments import check_float
+from lightning_memopt.memory.workspace import BEFORE_HOPPER, HOPPER, LibraryWorkspace
 from lightning_memopt.vocabulary import GIB, MIB
 
 
@@ -52,6 +53,8 @@ class Hardware:
             the host's time and the device's (a GPU); off, the one processor does both in turn (a CPU).
         device_type: ``"cuda"`` or ``"cpu"``: the autocast op lists the planner's profiles follow (a bf16
             step keeps other tensors in fp32 on CUDA than on the CPU).
+        workspace: the library workspaces (cuBLAS, cuDNN) its profiles count beside the tensors; ``None``
+            for the CPU.
         fused_attention_wins: fused attention (``sdpa``) is at least as fast as the materialised
             one (``math``) here, as on every GPU; the planner then leaves ``math`` out, since it
             also never needs less memory.
@@ -73,6 +76,7 @@ class Hardware:
     achieved: float = 1.0
     host_overlaps: bool = True
     device_type: str = "cuda"
+    workspace: LibraryWorkspace | None = BEFORE_HOPPER
 
     @property
     def memory_gib(self) -> float:
@@ -106,6 +110,7 @@ def _gpu(
     host: float,
     peer: float,
     dram: float,
+    workspace: LibraryWorkspace = BEFORE_HOPPER,
 ) -> Hardware:
     regions = {mode: (0.0, seconds) for mode, seconds in HOST_REGION_SECONDS.items()}
     return Hardware(
@@ -122,6 +127,7 @@ def _gpu(
         region_seconds=regions,
         tf32_tflops=tf32,
         achieved=ACHIEVED,
+        workspace=workspace,
     )
 
 
@@ -137,8 +143,8 @@ GPUS: dict[str, Hardware] = {
         _gpu("a100_40gb", 40960, True, 19.5, 156.0, 312.0, 1555.0, 25.0, 300.0, 100.0),
         _gpu("a100_80gb", 81920, True, 19.5, 156.0, 312.0, 2039.0, 25.0, 300.0, 100.0),
         _gpu("a800_80gb", 81920, True, 19.5, 156.0, 312.0, 2039.0, 25.0, 200.0, 100.0),
-        _gpu("h100_80gb", 81559, True, 67.0, 494.0, 989.0, 3350.0, 50.0, 450.0, 150.0),
-        _gpu("h200_141gb", 143771, True, 67.0, 494.0, 989.0, 4800.0, 50.0, 450.0, 150.0),
+        _gpu("h100_80gb", 81559, True, 67.0, 494.0, 989.0, 3350.0, 50.0, 450.0, 150.0, HOPPER),
+        _gpu("h200_141gb", 143771, True, 67.0, 494.0, 989.0, 4800.0, 50.0, 450.0, 150.0, HOPPER),
     )
 }
 # the catalogue's names, as a type (== tuple(GPUS), tests/test_public_signatures.py)

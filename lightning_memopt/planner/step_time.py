@@ -90,6 +90,7 @@ def _profile(
         optimizer=_unpriced_optimizer,
         blocks=blocks,
         device_type=hardware.device_type,
+        workspace=hardware.workspace,
     )
 
 

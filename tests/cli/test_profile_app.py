@@ -21,10 +21,24 @@ def test_profile_config_shares_the_training_tree():
     "overrides", [TINY_FACE, ["experiment=sapiens_2b_normal", *TINY_NORMALS]], ids=["face", "normals"]
 )
 def test_fake_and_real_profiles_of_a_composed_config_agree(overrides):
-    fake = profile(_compose(*overrides, "profile.round_to=1"))
+    fake = profile(_compose(*overrides, "profile.round_to=1", "profile.device_type=cpu"))
     real = profile(_compose(*overrides, "profile.round_to=1", "profile.mode=real"))
     assert fake.mode == "fake" and real.mode == "real-cpu"
     assert abs(fake.peak_bytes - real.peak_bytes) <= 0.03 * real.peak_bytes
+
+
+def test_a_prediction_for_cuda_counts_the_library_workspaces_of_the_gpu_named():
+    from lightning_memopt.planner import gpu
+
+    cpu = profile(_compose(*TINY_FACE, "profile.device_type=cpu"))
+    hopper = profile(_compose(*TINY_FACE))  # the default: cuda, h100_80gb
+    ampere = profile(_compose(*TINY_FACE, "profile.gpu=a100_80gb"))
+    # two cuBLAS handles (the forward's thread, autograd's) at least; a convolution's cuDNN workspace on top
+    assert hopper.peak_bytes - cpu.peak_bytes >= 2 * gpu("h100_80gb").workspace.cublas_bytes
+    assert 2 * gpu("a100_80gb").workspace.cublas_bytes <= ampere.peak_bytes - cpu.peak_bytes
+    assert ampere.peak_bytes < hopper.peak_bytes
+    with pytest.raises(ValueError, match=r"Unknown `profile.device_type`='tpu'; valid choices: cpu, cuda"):
+        profile(_compose(*TINY_FACE, "profile.device_type=tpu"))
 
 
 def test_the_chart_is_written(tmp_path):
