@@ -97,7 +97,8 @@ REGISTRY: dict[str, str | Renderer] = {
     "compile_budget.csv": "compile_budget:table",
     "gpu_truth.csv": "gpu_truth:table",
     "host_overhead.csv": "host_overhead:table",
-    "cost_model_h200.csv": "cost_model_h200:table",  # once a GPU session commits it (python benchmarks/gpu_truth.py)
+    "cost_model_h200.csv": "cost_model_h200:table",
+    "memory_h200.csv": "memory_h200:table",  # once a GPU session commits it (python benchmarks/gpu_truth.py)
 }
 
 MARKER = re.compile(r"<!-- table: (?P<key>[\w.-]+\.csv(?: [\w-]+)?) -->\n(?P<body>.*?)<!-- /table -->", re.S)

@@ -109,7 +109,9 @@ def prediction_rows(device: TruthDevice, suite: str, workers: int) -> tuple[list
     context = multiprocessing.get_context("spawn")  # never fork a process that has started CUDA
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         futures: dict[tuple[int, str, str | None], Future[int]] = {
-            (index, precision, policy): pool.submit(predicted_peak, suite, index, precision, policy, device.device.type, workspace)
+            (index, precision, policy): pool.submit(
+                predicted_peak, suite, index, precision, policy, device.device.type, workspace
+            )
             for index in range(len(cases))
             for precision, policy in VARIANTS
         }

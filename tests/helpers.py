@@ -150,6 +150,13 @@ def write_face_folder(root: Path, counts: dict[str, int], size: tuple[int, int] 
     return root
 
 
+def tensors_only(hardware):
+    """``hardware`` without library workspaces: a plan of a tiny model whose real peak the CPU measures (no cuBLAS)."""
+    from dataclasses import replace
+
+    return replace(hardware, workspace=None)
+
+
 def quiet_trainer(**kwargs) -> pl.Trainer:
     """A CPU Trainer without logger, checkpoints, progress bar or model summary; ``kwargs`` override."""
     options = dict(

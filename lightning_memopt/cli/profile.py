@@ -35,9 +35,7 @@ def profile(cfg: DictConfig) -> MemoryProfile:
     if cfg.profile.mode == "fake":  # a real step runs on its own device, with its own lists and workspaces
         device_type = cfg.profile.get("device_type", "cuda")
         if device_type not in DEVICE_TYPES:
-            raise ValueError(
-                f"Unknown `profile.device_type`={device_type!r}; valid choices: {', '.join(DEVICE_TYPES)}"
-            )
+            raise ValueError(f"Unknown `profile.device_type`={device_type!r}; valid choices: {', '.join(DEVICE_TYPES)}")
         if device_type == "cuda":
             workspace = gpu(cfg.profile.get("gpu", "h100_80gb")).workspace
     return profile_step(

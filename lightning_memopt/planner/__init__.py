@@ -6,7 +6,7 @@ Example::
     >>> from lightning_memopt.models import create_model
     >>> from lightning_memopt.planner import gpu, plan, with_budget
     >>> result = plan(lambda: create_model("sapiens_tiny"), torch.randn(2, 3, 64, 48),
-    ...               with_budget(gpu("h100_80gb"), 0.005), loss_fn=lambda m, x: m(x).square().mean(),
+    ...               with_budget(gpu("h100_80gb"), 0.08), loss_fn=lambda m, x: m(x).square().mean(),
     ...               optimizer=lambda p: torch.optim.AdamW(p))
     >>> result.chosen.peak_bytes <= result.limit_bytes
     True

@@ -8,6 +8,7 @@ from lightning_memopt.memory import SimulatedDevice, profile_step
 from lightning_memopt.planner import Knobs, PlanError, gpu, plan, with_budget
 from lightning_memopt.tasks import FaceRecognitionModule
 from tests.foreign_models import StagedCNN, TinyViT, Unrepeated, classification_loss, image_batch
+from tests.helpers import tensors_only
 
 _MIB = 2**20
 BATCH = image_batch(16)
@@ -53,7 +54,7 @@ def _real_peak(build, knobs: Knobs, budget_bytes: int) -> int:
 def _plan_between_the_peaks(build, unchecked: int, checkpointed: int, **options):
     """fp32 plans without micro-batches at a budget between the two peaks (10 % safety margin taken): plan, budget."""
     budget = (unchecked + checkpointed) / 2 / 0.9
-    hardware = with_budget(gpu("a100_80gb"), budget / 2**30)
+    hardware = tensors_only(with_budget(gpu("a100_80gb"), budget / 2**30))
     options = {"precisions": ["32-true"], "micro_batching": False, **options}
     return plan(build, BATCH, hardware, loss_fn=classification_loss, optimizer=_optimizer, **options), budget
 
@@ -128,7 +129,7 @@ def test_micro_batches_of_one_on_a_face_preset_are_left_out_with_the_reason(back
     result = plan(
         build,
         batch,
-        with_budget(gpu("a100_80gb"), budget / 2**30),
+        tensors_only(with_budget(gpu("a100_80gb"), budget / 2**30)),
         precisions=["32-true"],
         cpu_offload=(False,),  # (offloaded, the model states would leave room)
     )

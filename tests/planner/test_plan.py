@@ -11,6 +11,7 @@ from lightning_memopt.models import create_model
 from lightning_memopt.models.structure import set_attention
 from lightning_memopt.planner import GPUS, Knobs, PlanError, ResultChangingOption, gpu, measure_cpu, plan, with_budget
 from lightning_memopt.planner.cost import step_cost
+from tests.helpers import tensors_only
 
 _MIB = 2**20
 BATCH = torch.randn(4, 3, 64, 48)
@@ -29,7 +30,7 @@ def _optimizer(parameters):
 
 
 def _plan(budget_mib, **options):
-    hardware = with_budget(gpu("a100_80gb"), budget_mib / 1024)
+    hardware = tensors_only(with_budget(gpu("a100_80gb"), budget_mib / 1024))
     return plan(_model, BATCH, hardware, loss_fn=_loss, optimizer=_optimizer, **options)
 
 

@@ -1,0 +1,101 @@
+"""The fake-mode prediction for CUDA against the first CUDA measurements (NVIDIA H200): every prediction row.
+
+``gpu_truth_h200.csv``'s prediction rows hold ``torch.cuda.max_memory_allocated`` of two training steps of
+each preset at reduced sizes, fp32 and bf16-mixed, with and without its blocks checkpointed, beside the
+prediction of that day (CPU autocast's op lists, tensors only). Each row is predicted again here as the
+planner now predicts for the H200: CUDA's autocast lists and its library workspaces
+(:mod:`lightning_memopt.memory.workspace`, fitted to these rows). About 10 minutes on two cores.
+The checkpointed rows were measured with the checkpointing of that day (``torch.utils.checkpoint``);
+their blocks now recompute in backward through our own function, which holds the same tensors.
+
+    python benchmarks/memory_h200.py [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from results import add_table_options, markdown_table, printed_table, read_rows, write_csv
+from truth_cases import SUITES
+from truth_memory import PREDICTION_TOLERANCE, VARIANTS, _variant, predicted_peak
+
+from lightning_memopt.planner.hardware import gpu
+from lightning_memopt.vocabulary import MIB
+
+HERE = Path(__file__).parent
+
+
+def measured_mib() -> dict[tuple[str, str], tuple[float, float]]:
+    """(case, variant) → (the H200's allocated peak, the prediction of that day), MiB."""
+    return {
+        (row["case"], row["variant"]): (float(row["allocated_mib"]), float(row["predicted_mib"]))
+        for row in read_rows(HERE / "gpu_truth_h200.csv")
+        if row["section"] == "prediction"
+    }
+
+
+def _predict(job: tuple[int, str, str | None]) -> int:
+    index, precision, policy = job
+    return predicted_peak("full", index, precision, policy, "cuda", gpu("h200_141gb").workspace)
+
+
+def measure(workers: int) -> list[dict]:
+    """One row per prediction row of the H200 CSV."""
+    cases = SUITES["full"].predictions
+    jobs = [(index, precision, policy) for index in range(len(cases)) for precision, policy in VARIANTS]
+    measured = measured_mib()
+    rows = []
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        for (index, precision, policy), peak in zip(jobs, pool.map(_predict, jobs), strict=True):
+            allocated, then = measured[cases[index].name, _variant(precision, policy)]
+            now = peak / MIB
+            rows.append(
+                {
+                    "case": cases[index].name,
+                    "variant": _variant(precision, policy),
+                    "allocated_mib": f"{allocated:.1f}",
+                    "predicted_then_mib": f"{then:.1f}",
+                    "deviation_then": f"{then / allocated - 1:+.3f}",
+                    "predicted_now_mib": f"{now:.1f}",
+                    "deviation_now": f"{now / allocated - 1:+.3f}",
+                }
+            )
+            row = rows[-1]
+            print(f"{row['case']:<36}{row['variant']:<34}{row['allocated_mib']:>10}{row['deviation_then']:>8}"
+                  f"{row['deviation_now']:>8}", flush=True)  # fmt: skip
+    return rows
+
+
+def table(path: Path) -> str:
+    """The docs table: the H200's allocator against the predictions then and now."""
+    rows = read_rows(path)
+    body = [
+        [row["case"], row["variant"], row["allocated_mib"], row["deviation_then"], row["deviation_now"]] for row in rows
+    ]
+    columns = ["case", "variant", "H200 allocated (MiB)", "prediction then", "prediction now"]
+    return markdown_table(columns, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_table_options(parser, __file__)
+    parser.add_argument("--workers", type=int, default=2, help="processes computing the fake-mode predictions")
+    args = parser.parse_args(argv)
+    if printed_table(args, table):
+        return 0
+    rows = measure(args.workers)
+    write_csv(args.csv, rows)
+    for when in ("then", "now"):
+        deviations = [float(row[f"deviation_{when}"]) for row in rows]
+        within = sum(abs(d) <= PREDICTION_TOLERANCE for d in deviations)
+        print(f"{when}: {within} of {len(rows)} rows within {PREDICTION_TOLERANCE:.0%} of the H200's allocator; "
+              f"{sum(d < 0 for d in deviations)} under; from {min(deviations):+.1%} to {max(deviations):+.1%}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
