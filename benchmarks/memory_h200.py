@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     for when in ("then", "now"):
         deviations = [float(row[f"deviation_{when}"]) for row in rows]
         within = sum(abs(d) <= PREDICTION_TOLERANCE for d in deviations)
+        under = sum(d < 0 for d in deviations)
         print(f"{when}: {within} of {len(rows)} rows within {PREDICTION_TOLERANCE:.0%} of the H200's allocator; "
-              f"{sum(d < 0 for d in deviations)} under; from {min(deviations):+.1%} to {max(deviations):+.1%}")  # fmt: skip
+              f"{under} under; from {min(deviations):+.1%} to {max(deviations):+.1%}")  # fmt: skip
     return 0
 
 

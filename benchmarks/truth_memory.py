@@ -25,8 +25,8 @@ from truth_rows import row
 from lightning_memopt.callbacks import AdaptiveAccumulation, MemoryBudget
 from lightning_memopt.checkpointing import apply_activation_checkpointing
 from lightning_memopt.memory import profile_step
-from lightning_memopt.memory.workspace import LibraryWorkspace
 from lightning_memopt.memory.step_parts import lightning_optimizer, quiet_logging, training_step_fn
+from lightning_memopt.memory.workspace import LibraryWorkspace
 from lightning_memopt.planner.hardware import cuda_hardware
 from lightning_memopt.vocabulary import GIB
 

@@ -30,8 +30,8 @@ from lightning_memopt.memory.tracker import (
     MemorySnapshot,
     MemoryTracker,
 )
-from lightning_memopt.memory.workspace import LibraryWorkspace
 from lightning_memopt.memory.work import Work, WorkCounter, sum_work
+from lightning_memopt.memory.workspace import LibraryWorkspace
 from lightning_memopt.private_api import FakeTensorMode, disable_current_modes, tree_map
 from lightning_memopt.vocabulary import GIB, PROFILE_PRECISIONS
 
