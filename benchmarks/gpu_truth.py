@@ -19,6 +19,9 @@ Sections (one CSV, one markdown table per section, the device and its driver in 
 - oom recovery: a device capped between the whole batch's peak and half's; AdaptiveAccumulation must recover
   with the gradients of the whole batch.
 - overflow: PrecisionSwitch 16-mixed with an inf gradient injected: the scaler skips the step, halves the scale.
+- seeds: the runs users could not fit (CoTracker2 on Kubric-size clips on a 24 GB RTX 3090, Sapiens-2B at
+  1024×768 on an 80 GB A800, r100 with TopoFR's loss at batch 32 on a 32 GB V100), planned for that GPU and
+  run on this device capped to its memory (see ``truth_seeds.py``).
 - cuda tests: ``pytest -m cuda`` over the project's tests.
 
 It exits with 1 when any check fails (a prediction more than 5% off included), after writing everything.
@@ -30,12 +33,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import os
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from datetime import date
 from pathlib import Path
 
@@ -46,6 +51,7 @@ from truth_memory import margin_row, planned_row, prediction_rows
 from truth_recovery import cuda_tests_row, overflow_row, recovery_row
 from truth_rows import FIGURES, failed, markdown, row
 from truth_runtime import monitor_rows, step_time_rows
+from truth_seeds import SEEDS, planned_knobs, runs_here, seed_row
 
 _HERE = Path(__file__).resolve().parent
 
@@ -80,11 +86,19 @@ def run_section(name: str, produce: Callable[[], list[dict]]) -> list[dict]:
 
 def measure(device: TruthDevice, suite_name: str, workers: int) -> list[dict]:
     """Every section's rows, printed as each section ends."""
-    suite = SUITES[suite_name]
+    suite, seeds = SUITES[suite_name], SEEDS[suite_name]
     rows = [device_row(device, suite_name)]
 
     def section(name: str, produce: Callable[[], list[dict]]) -> None:
         rows.extend(run_section(name, produce))
+
+    # the seeds' plans take minutes of fake-mode profiles on the CPU: made in workers while the device measures
+    planners = ProcessPoolExecutor(max_workers=max(1, len(seeds)), mp_context=multiprocessing.get_context("spawn"))
+    plans = {
+        i: planners.submit(planned_knobs, suite_name, i, device.is_cuda)
+        for i, seed in enumerate(seeds)
+        if runs_here(device, seed)
+    }
 
     unchecked: dict[str, tuple[int, int]] = {}
 
@@ -100,6 +114,9 @@ def measure(device: TruthDevice, suite_name: str, workers: int) -> list[dict]:
     section("monitor", lambda: monitor_rows(device, suite.monitor, suite.monitor_steps, suite.rounds))
     section("oom recovery", lambda: [recovery_row(device, suite.recovery)])
     section("overflow", lambda: [overflow_row(device, suite.overflow)])
+    section("seeds", lambda: [seed_row(device, seed, plans[i].result() if i in plans else None)
+                              for i, seed in enumerate(seeds)])  # fmt: skip
+    planners.shutdown(cancel_futures=True)
     section("cuda tests", lambda: [cuda_tests_row(device)])
     return rows
 

@@ -37,17 +37,20 @@ class Case:
     batch: Callable[[], Any]
 
 
-def face(preset: str, batch: int, size: int = 112) -> Case:
+def face(preset: str, batch: int, size: int = 112, topo_weight: float = 0.0) -> Case:
     def build() -> pl.LightningModule:
         options = {} if size == 112 else {"input_size": size}
-        return FaceRecognitionModule(num_classes=_FACE_CLASSES, backbone=preset, backbone_options=options)
+        return FaceRecognitionModule(
+            num_classes=_FACE_CLASSES, backbone=preset, backbone_options=options, topo_weight=topo_weight
+        )
 
     def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(0)
         images = torch.randn(batch, 3, size, size, generator=generator)
         return images, torch.randint(0, _FACE_CLASSES, (batch,), generator=generator)
 
-    return Case(f"{preset} b{batch} {size}²", preset, build, make_batch)
+    topo = f", TopoFR loss ×{topo_weight:g}" if topo_weight else ""
+    return Case(f"{preset} b{batch} {size}²{topo}", preset, build, make_batch)
 
 
 def normals(preset: str, batch: int, height: int, width: int) -> Case:

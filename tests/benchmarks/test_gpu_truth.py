@@ -14,10 +14,12 @@ gpu_truth = load_benchmark("gpu_truth")
 # its siblings, as loaded with it (held here: other tests' fixtures clear the benchmarks out of sys.modules)
 SIBLINGS = {
     name: sys.modules[name]
-    for name in ("truth_cases", "truth_device", "truth_memory", "truth_recovery", "truth_rows", "truth_runtime")
-}
-truth_device, truth_memory, truth_recovery, truth_rows = (
-    SIBLINGS[name] for name in ("truth_device", "truth_memory", "truth_recovery", "truth_rows")
+    for name in (
+        "truth_cases", "truth_device", "truth_memory", "truth_recovery", "truth_rows", "truth_runtime", "truth_seeds"
+    )
+}  # fmt: skip
+truth_device, truth_memory, truth_recovery, truth_rows, truth_seeds = (
+    SIBLINGS[name] for name in ("truth_device", "truth_memory", "truth_recovery", "truth_rows", "truth_seeds")
 )
 SECTIONS = [
     "device",
@@ -28,6 +30,7 @@ SECTIONS = [
     "monitor",
     "oom recovery",
     "overflow",
+    "seeds",
     "cuda tests",
 ]
 
@@ -50,7 +53,11 @@ def test_the_dry_run_measures_every_section_and_every_check_passes(tmp_path):
     assert {r["variant"] for r in rows if r["section"] == "step time"} >= {"none", "selective", "full", "offload"}
     assert (tmp_path / "truth.md").read_text() == gpu_truth.document(rows) + "\n"
     assert 0 <= float(by_section["calibration"]["ratio"]) < 0.1  # the tracker's peaks are the predictions'
-    assert "0 of 17 checks failed" in done.stdout
+    seeds = [r for r in rows if r["section"] == "seeds"]
+    assert [r["variant"].split(":")[0] for r in seeds] == [f"planned for {name}" for name in
+                                                            ("rtx3090_24gb", "a800_80gb", "v100_32gb")]  # fmt: skip
+    assert all(r["passed"] == "yes" and float(r["allocated_mib"]) > 0 for r in seeds)
+    assert "0 of 20 checks failed" in done.stdout
 
 
 @pytest.mark.parametrize(("passed", "code"), [(True, 0), (False, 1)])
@@ -161,6 +168,16 @@ def test_gradients_are_compared_by_the_norm_of_their_difference():
     assert truth_recovery.relative_difference(ours, reference) == pytest.approx(1 / math.sqrt(5))
     with pytest.raises(ValueError):  # a missing tensor is no match
         truth_recovery.relative_difference(ours, reference * 2)
+
+
+def test_a_seed_whose_gpu_has_more_memory_than_the_device_is_not_run_and_says_why():
+    from types import SimpleNamespace
+
+    h100 = SimpleNamespace(is_cuda=True, total_bytes=int(79.1 * 2**30), context_bytes=500 * 2**20, name="NVIDIA H100")
+    sapiens, cotracker = truth_seeds.SEEDS["full"][1], truth_seeds.SEEDS["full"][0]
+    assert not truth_seeds.runs_here(h100, sapiens) and truth_seeds.runs_here(h100, cotracker)
+    line = truth_seeds.seed_row(h100, sapiens, None)
+    assert line["passed"] == "" and line["note"].startswith("cannot run here: a800_80gb has 80.0 GiB, NVIDIA H100 78.6")
 
 
 def test_the_recovery_check_runs_without_random_layers():
