@@ -10,7 +10,10 @@ Sections (one CSV, one markdown table per section, the device and its driver in 
 - prediction: each preset at a reduced input, fp32 and bf16-mixed, with and without its blocks
   checkpointed: the fake-mode peak (nothing allocated, computed in worker processes) against
   ``torch.cuda.max_memory_allocated``, beside ``max_memory_reserved``. A prediction more than 5% off fails.
-- calibration: the least planner ``safety_margin`` that would have kept every measured step on the device.
+- smallest device: for r50, sapiens_0.3b and cotracker3 (unchecked fp32, checkpointed bf16-mixed), the least
+  memory the step runs on (bisected with the device capped), and the safety margin its prediction needs there.
+- calibration: the least planner ``safety_margin`` covering every smallest-device row; it fails above the
+  planner's default.
 - planner: MemoryBudget plans for a device of the model states and half the rest of the case's unchecked
   fp32 peak; the fit runs on the device capped there (``set_per_process_memory_fraction``): the chosen
   knobs, the predicted and the real peak.
@@ -47,7 +50,7 @@ from pathlib import Path
 from results import read_rows, write_csv
 from truth_cases import SUITES
 from truth_device import TruthDevice
-from truth_memory import margin_row, planned_row, prediction_rows
+from truth_memory import margin_row, planned_row, prediction_rows, smallest_device_rows
 from truth_recovery import cuda_tests_row, overflow_row, recovery_row
 from truth_rows import FIGURES, failed, markdown, row
 from truth_runtime import monitor_rows, step_time_rows
@@ -108,7 +111,11 @@ def measure(device: TruthDevice, suite_name: str, workers: int) -> list[dict]:
         return produced
 
     section("prediction", predictions)
-    section("calibration", lambda: [margin_row(device, [r for r in rows if r["section"] == "prediction"])])
+    section(
+        "smallest device",
+        lambda: smallest_device_rows(device, suite_name, [r for r in rows if r["section"] == "prediction"]),
+    )
+    section("calibration", lambda: [margin_row([r for r in rows if r["section"] == "smallest device"])])
     section("planner", lambda: [planned_row(device, case, unchecked[case.name]) for case in suite.planning])
     section("step time", lambda: [r for case in suite.timings for r in step_time_rows(device, case, suite.rounds)])
     section("monitor", lambda: monitor_rows(device, suite.monitor, suite.monitor_steps, suite.rounds))

@@ -90,6 +90,7 @@ class Suite:
     predictions: list[Case]  # fake-mode prediction vs the device's peak, fp32 / bf16-mixed × none / full
     timings: list[Case]  # step time of each checkpointing policy and precision
     planning: list[Case]  # MemoryBudget's plan for a device capped below the case's unchecked peak
+    margins: list[Case]  # the least device memory each runs on: the safety margin the predictions need
     recovery: Case  # AdaptiveAccumulation recovering a real OOM (no BatchNorm: micro-batches change nothing)
     overflow: Case  # PrecisionSwitch 16-mixed with an injected overflow
     monitor: Case  # MemoryMonitor's figures and overhead
@@ -115,6 +116,7 @@ _FULL = Suite(
     # the reduced sizes (bound by the host on an H200) and sizes that keep the GPU busy (issue 38)
     timings=[_R50, _SAPIENS, _COTRACKER, *_COMPUTE_BOUND],
     planning=[_R50, _SAPIENS],  # MemoryBudget's profiles of cotracker3 (~100 s on a CPU) would pass 10 minutes
+    margins=[_R50, _SAPIENS, _COTRACKER],  # one per family: 6 bisections of 6 two-step runs each
     recovery=normals("sapiens_0.3b", 8, 256, 192),
     overflow=_R50,
     monitor=_R50,
@@ -135,6 +137,7 @@ SUITES = {
         predictions=[_TINY_FACE, _TINY_SAPIENS, _TINY_TRACKER],
         timings=[_TINY_FACE, _TINY_SAPIENS],
         planning=[_TINY_SAPIENS],
+        margins=[_TINY_FACE, _TINY_SAPIENS, _TINY_TRACKER],
         recovery=normals("sapiens_tiny", 8, 64, 48),
         overflow=_TINY_FACE,
         monitor=_TINY_FACE,

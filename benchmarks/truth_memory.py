@@ -65,10 +65,13 @@ def predicted_peak(
     return profile.peak_bytes
 
 
-def measured_peak(device: TruthDevice, case: Case, precision: str, policy: str | None) -> tuple[Peak, int]:
+def measured_peak(
+    device: TruthDevice, case: Case, precision: str, policy: str | None, cap: int | None = None
+) -> tuple[Peak, int]:
     """Two training steps on ``device``, as ``profile_step`` runs them: the allocator's peaks on CUDA, the
     tracker's on the CPU (no tracker on CUDA: it would slow the steps); and the bytes of the model states
-    (parameters, as many for their gradients, optimizer state)."""
+    (parameters, as many for their gradients, optimizer state). With ``cap``, on a device of that many bytes
+    (an out-of-memory error past it)."""
     device.release()
     torch.manual_seed(0)
     with device.device:
@@ -79,7 +82,8 @@ def measured_peak(device: TruthDevice, case: Case, precision: str, policy: str |
     step, optimizer = training_step_fn(module, None), lightning_optimizer(module)
     autocast = torch.autocast(device.device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed",
                               cache_enabled=False)  # fmt: skip
-    with device.peaks(include=(module,)) as peak:
+    measuring = device.peaks(include=(module,)) if cap is None else device.capped(cap, include=(module,))
+    with measuring as peak:
         batch = device.to_device(case.batch())  # counted, as profile_step counts the batch
         for _ in range(2):  # the second step has the optimizer state
             with autocast, quiet_logging():
@@ -140,23 +144,70 @@ def prediction_rows(device: TruthDevice, suite: str, workers: int) -> tuple[list
     return rows, unchecked
 
 
-def margin_row(device: TruthDevice, predictions: list[dict]) -> dict:
-    """The least ``safety_margin`` that would have kept every measured step on the device (see docs/benchmarks.md).
+MARGIN_VARIANTS = (("32-true", None), ("bf16-mixed", "preset"))  # the smallest device: unchecked fp32, checked bf16
+DEFAULT_SAFETY_MARGIN = 0.1  # the planner's (plan(), MemoryBudget, memopt-plan)
 
-    A plan keeps its predicted peak P within (1 − m) of the device's memory T; the step then holds P(1 + f)
-    (f: the most the allocator held over a prediction: reserved over predicted on CUDA, allocated on the CPU)
-    beside the CUDA context C, so it fits when m ≥ 1 − (1 − C/T) / (1 + f).
-    """
-    held = [r["allocated_mib"] if math.isnan(r["reserved_mib"]) else r["reserved_mib"] for r in predictions]
-    worst = max(h / r["predicted_mib"] for h, r in zip(held, predictions, strict=True)) - 1
-    margin = max(0.0, 1 - (1 - device.context_bytes / device.total_bytes) / (1 + worst))
+
+def smallest_cap(device: TruthDevice, case: Case, precision: str, policy: str | None, low: int, high: int) -> int:
+    """The least memory (bytes) of a device on which two steps of ``case`` run, to 1/32 of ``high − low``:
+    bisected between ``low`` (the allocated peak: never less) and ``high`` (doubled until it runs)."""
+    while not _runs_within(device, case, precision, policy, high):
+        low, high = high, 2 * high
+    for _ in range(5):
+        middle = (low + high) // 2
+        low, high = (low, middle) if _runs_within(device, case, precision, policy, middle) else (middle, high)
+    return high
+
+
+def _runs_within(device: TruthDevice, case: Case, precision: str, policy: str | None, cap: int) -> bool:
+    try:
+        measured_peak(device, case, precision, policy, cap=cap)
+    except torch.OutOfMemoryError:
+        device.release()
+        return False
+    return True
+
+
+def smallest_device_rows(device: TruthDevice, suite: str, predictions: list[dict]) -> list[dict]:
+    """For the margin cases, the least device memory the step runs on, and the safety margin its prediction
+    needs there: a plan keeps its prediction P within (1 − m) of a device of T bytes, whose CUDA context C
+    leaves T − C to the allocator, so the step runs on every device the plan admits when m ≥ 1 − P / (S + C),
+    S the least memory it runs on (``ratio``)."""
+    found = {(r["case"], r["variant"]): r for r in predictions}
+    rows = []
+    for case in SUITES[suite].margins:
+        for precision, policy in MARGIN_VARIANTS:
+            measured = found[case.name, _variant(precision, policy)]
+            predicted, allocated = measured["predicted_mib"] * 2**20, measured["allocated_mib"] * 2**20
+            reserved = measured["reserved_mib"] * 2**20
+            high = int(reserved if not math.isnan(reserved) else 1.25 * allocated) + 2**20
+            least = smallest_cap(device, case, precision, policy, int(allocated), high)
+            needed = max(0.0, 1 - predicted / (least + device.context_bytes))
+            rows.append(
+                row(
+                    "smallest device",
+                    case.name,
+                    _variant(precision, policy),
+                    predicted=int(predicted),
+                    ratio=needed,
+                    note=f"runs on {least / 2**20:.0f} MiB (allocated {allocated / 2**20:.0f}, reserved "
+                    f"{reserved / 2**20:.0f} with the whole device); ratio: the safety margin it needs",
+                )
+            )
+    return rows
+
+
+def margin_row(smallest: list[dict]) -> dict:
+    """The least ``safety_margin`` covering every smallest-device row (the formula: :func:`smallest_device_rows`);
+    a check that the planner's default covers it."""
+    needed = max(r["ratio"] for r in smallest)
     return row(
         "calibration",
         "safety_margin",
-        "the least covering every prediction row",
-        ratio=margin,
-        note=f"most held over predicted {1 + worst:.3f}; CUDA context {device.context_bytes / 2**20:.0f} MiB of "
-        f"{device.total_bytes / 2**20:.0f}; the planner's default 0.10",
+        "the least covering every smallest-device row",
+        ratio=needed,
+        passed=needed <= DEFAULT_SAFETY_MARGIN,
+        note=f"m ≥ 1 − P / (S + C) over the rows; the planner's default {DEFAULT_SAFETY_MARGIN:g}",
     )
 
 

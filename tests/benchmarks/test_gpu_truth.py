@@ -24,6 +24,7 @@ truth_device, truth_memory, truth_recovery, truth_rows, truth_seeds = (
 SECTIONS = [
     "device",
     "prediction",
+    "smallest device",
     "calibration",
     "planner",
     "step time",
@@ -57,7 +58,7 @@ def test_the_dry_run_measures_every_section_and_every_check_passes(tmp_path):
     assert [r["variant"].split(":")[0] for r in seeds] == [f"planned for {name}" for name in
                                                             ("rtx3090_24gb", "a800_80gb", "v100_32gb")]  # fmt: skip
     assert all(r["passed"] == "yes" and float(r["allocated_mib"]) > 0 for r in seeds)
-    assert "0 of 20 checks failed" in done.stdout
+    assert "0 of 21 checks failed" in done.stdout
 
 
 @pytest.mark.parametrize(("passed", "code"), [(True, 0), (False, 1)])
@@ -145,22 +146,33 @@ def test_the_markdown_has_a_table_per_section_with_the_columns_it_fills():
     ]
 
 
-def test_the_safety_margin_covers_the_worst_overhead_beside_the_context():
-    device = truth_device.TruthDevice(torch.device("cuda"), "GPU", "driver", 1000 * 2**20, 10 * 2**20)
-    rows = [
-        truth_rows.row(
-            "prediction", "a", "fp32", predicted=100 * 2**20, peak=truth_device.Peak(100 * 2**20, 105 * 2**20)
-        ),
-        truth_rows.row(
-            "prediction", "b", "fp32", predicted=100 * 2**20, peak=truth_device.Peak(100 * 2**20, 120 * 2**20)
-        ),
-    ]
-    margin = truth_memory.margin_row(device, rows)["ratio"]
-    assert margin == pytest.approx(1 - 0.99 / 1.2)  # the worst step held 1.2× its prediction; the context 1%
-    planned = (1 - margin) * 1000  # the most a plan would predict on this device, MiB
-    assert planned * 1.2 + 10 == pytest.approx(1000)  # held as the worst row, beside the context: exactly full
-    over = [truth_rows.row("prediction", "c", "fp32", predicted=2**20, peak=truth_device.Peak(2**19))]
-    assert truth_memory.margin_row(truth_device.TruthDevice.detect(prefer_cuda=False), over)["ratio"] == 0.0
+def test_the_safety_margin_covers_the_smallest_device_each_step_runs_on():
+    ratios = []
+    for predicted, least in ((100, 100), (100, 110)):  # MiB: predicted, the least memory the step ran on
+        needed = 1 - predicted / (least + 10)  # the context beside it
+        line = truth_rows.row("smallest device", "c", "fp32", predicted=predicted * 2**20, ratio=needed)
+        ratios.append(line)
+    calibration = truth_memory.margin_row(ratios)
+    assert calibration["ratio"] == pytest.approx(1 - 100 / 120) and calibration["passed"] == "no"  # above 0.1
+    # a plan predicting P on the smallest device it admits, T = P / (1 − m), leaves the step its 110 MiB
+    smallest_admitted = 100 / (1 - calibration["ratio"])
+    assert smallest_admitted - 10 == pytest.approx(110)
+    assert truth_memory.margin_row(ratios[:1])["passed"] == "yes"
+
+
+def test_the_smallest_device_is_bisected_from_real_out_of_memory_errors(monkeypatch):
+    device = truth_device.TruthDevice.detect(prefer_cuda=False)
+    runs = []
+
+    def measured(device, case, precision, policy, cap=None):  # a step that needs 700 bytes
+        runs.append(cap)
+        if cap < 700:
+            raise torch.OutOfMemoryError("simulated")
+        return truth_device.Peak(700), 0
+
+    monkeypatch.setattr(truth_memory, "measured_peak", measured)
+    least = truth_memory.smallest_cap(device, None, "32-true", None, 500, 600)  # 600 is too little: doubled
+    assert runs[0] == 600 and runs[1] == 1200 and 700 <= least <= 700 + (1200 - 600) / 32
 
 
 def test_gradients_are_compared_by_the_norm_of_their_difference():
