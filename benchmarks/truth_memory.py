@@ -170,9 +170,9 @@ def _runs_within(device: TruthDevice, case: Case, precision: str, policy: str | 
 
 def smallest_device_rows(device: TruthDevice, suite: str, predictions: list[dict]) -> list[dict]:
     """For the margin cases, the least device memory the step runs on, and the safety margin its prediction
-    needs there: a plan keeps its prediction P within (1 − m) of a device of T bytes, whose CUDA context C
-    leaves T − C to the allocator, so the step runs on every device the plan admits when m ≥ 1 − P / (S + C),
-    S the least memory it runs on (``ratio``)."""
+    needs: a plan keeps its prediction P within (1 − m) of the device's T bytes, whose CUDA context C leaves
+    T − C to the allocator, so the step runs when m ≥ 1 − (P / S)(1 − C / T), S the least memory it runs on
+    (``ratio``; T and C this device's)."""
     found = {(r["case"], r["variant"]): r for r in predictions}
     rows = []
     for case in SUITES[suite].margins:
@@ -182,7 +182,7 @@ def smallest_device_rows(device: TruthDevice, suite: str, predictions: list[dict
             reserved = measured["reserved_mib"] * 2**20
             high = int(reserved if not math.isnan(reserved) else 1.25 * allocated) + 2**20
             least = smallest_cap(device, case, precision, policy, int(allocated), high)
-            needed = max(0.0, 1 - predicted / (least + device.context_bytes))
+            needed = max(0.0, 1 - predicted / least * (1 - device.context_bytes / device.total_bytes))
             rows.append(
                 row(
                     "smallest device",
@@ -207,7 +207,7 @@ def margin_row(smallest: list[dict]) -> dict:
         "the least covering every smallest-device row",
         ratio=needed,
         passed=needed <= DEFAULT_SAFETY_MARGIN,
-        note=f"m ≥ 1 − P / (S + C) over the rows; the planner's default {DEFAULT_SAFETY_MARGIN:g}",
+        note=f"m ≥ 1 − (P / S)(1 − C / T) over the rows; the planner's default {DEFAULT_SAFETY_MARGIN:g}",
     )
 
 

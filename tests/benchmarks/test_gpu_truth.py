@@ -147,16 +147,16 @@ def test_the_markdown_has_a_table_per_section_with_the_columns_it_fills():
 
 
 def test_the_safety_margin_covers_the_smallest_device_each_step_runs_on():
+    total, context = 1000, 10  # MiB: the device, its CUDA context
     ratios = []
-    for predicted, least in ((100, 100), (100, 110)):  # MiB: predicted, the least memory the step ran on
-        needed = 1 - predicted / (least + 10)  # the context beside it
-        line = truth_rows.row("smallest device", "c", "fp32", predicted=predicted * 2**20, ratio=needed)
-        ratios.append(line)
+    for predicted, least in ((100, 100), (100, 120)):  # MiB: predicted, the least memory the step ran on
+        needed = 1 - predicted / least * (1 - context / total)
+        ratios.append(truth_rows.row("smallest device", "c", "fp32", predicted=predicted * 2**20, ratio=needed))
     calibration = truth_memory.margin_row(ratios)
-    assert calibration["ratio"] == pytest.approx(1 - 100 / 120) and calibration["passed"] == "no"  # above 0.1
-    # a plan predicting P on the smallest device it admits, T = P / (1 − m), leaves the step its 110 MiB
-    smallest_admitted = 100 / (1 - calibration["ratio"])
-    assert smallest_admitted - 10 == pytest.approx(110)
+    assert calibration["ratio"] == pytest.approx(1 - 0.99 / 1.2) and calibration["passed"] == "no"  # above 0.1
+    # a plan at the margin predicts (1 − m) T; the step then holds 1.2× that beside the context: exactly full
+    planned = (1 - calibration["ratio"]) * total
+    assert planned * 1.2 + context == pytest.approx(total)
     assert truth_memory.margin_row(ratios[:1])["passed"] == "yes"
 
 
