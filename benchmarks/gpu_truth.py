@@ -14,6 +14,8 @@ Sections (one CSV, one markdown table per section, the device and its driver in 
   memory the step runs on (bisected with the device capped), and the safety margin its prediction needs there.
 - calibration: the least planner ``safety_margin`` covering every smallest-device row; it fails above the
   planner's default.
+- allocator: reserved over allocated for r50's step, with PyTorch's default allocator and with expandable segments
+  (``memopt-train``'s default), each in a fresh process.
 - planner: MemoryBudget plans for a device of the model states and half the rest of the case's unchecked
   fp32 peak; the fit runs on the device capped there (``set_per_process_memory_fraction``): the chosen
   knobs, the predicted and the real peak.
@@ -48,6 +50,7 @@ from datetime import date
 from pathlib import Path
 
 from results import read_rows, write_csv
+from truth_allocator import allocator_rows
 from truth_cases import SUITES
 from truth_device import TruthDevice
 from truth_memory import margin_row, planned_row, prediction_rows, smallest_device_rows
@@ -116,6 +119,7 @@ def measure(device: TruthDevice, suite_name: str, workers: int) -> list[dict]:
         lambda: smallest_device_rows(device, suite_name, [r for r in rows if r["section"] == "prediction"]),
     )
     section("calibration", lambda: [margin_row([r for r in rows if r["section"] == "smallest device"])])
+    section("allocator", lambda: allocator_rows(device, suite_name))
     section("planner", lambda: [planned_row(device, case, unchecked[case.name]) for case in suite.planning])
     section("step time", lambda: [r for case in suite.timings for r in step_time_rows(device, case, suite.rounds)])
     section("monitor", lambda: monitor_rows(device, suite.monitor, suite.monitor_steps, suite.rounds))

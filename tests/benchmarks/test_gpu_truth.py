@@ -15,7 +15,8 @@ gpu_truth = load_benchmark("gpu_truth")
 SIBLINGS = {
     name: sys.modules[name]
     for name in (
-        "truth_cases", "truth_device", "truth_memory", "truth_recovery", "truth_rows", "truth_runtime", "truth_seeds"
+        "truth_allocator", "truth_cases", "truth_device", "truth_memory", "truth_recovery", "truth_rows",
+        "truth_runtime", "truth_seeds",
     )
 }  # fmt: skip
 truth_device, truth_memory, truth_recovery, truth_rows, truth_seeds = (
@@ -26,6 +27,7 @@ SECTIONS = [
     "prediction",
     "smallest device",
     "calibration",
+    "allocator",
     "planner",
     "step time",
     "monitor",
@@ -54,6 +56,9 @@ def test_the_dry_run_measures_every_section_and_every_check_passes(tmp_path):
     assert {r["variant"] for r in rows if r["section"] == "step time"} >= {"none", "selective", "full", "offload"}
     assert (tmp_path / "truth.md").read_text() == gpu_truth.document(rows) + "\n"
     assert 0 <= float(by_section["calibration"]["ratio"]) < 0.1  # the tracker's peaks are the predictions'
+    allocator = [r for r in rows if r["section"] == "allocator"]
+    assert [r["variant"] for r in allocator] == ["32-true, default", "32-true, expandable_segments:True"]
+    assert allocator[0]["allocated_mib"] == allocator[1]["allocated_mib"]  # the same step, counted the same
     seeds = [r for r in rows if r["section"] == "seeds"]
     assert [r["variant"].split(":")[0] for r in seeds] == [f"planned for {name}" for name in
                                                             ("rtx3090_24gb", "a800_80gb", "v100_32gb")]  # fmt: skip
