@@ -14,6 +14,8 @@ Sections (one CSV, one markdown table per section, the device and its driver in 
   memory the step runs on (bisected with the device capped), and the safety margin its prediction needs there.
 - calibration: the least planner ``safety_margin`` covering every smallest-device row; it fails above the
   planner's default.
+- reference batch: the README's memory table (every preset at its reference batch, ``memory_profile.py``)
+  predicted for this device against two real training steps; more than 5% off fails (needs hydra-core).
 - allocator: reserved over allocated for r50's step, with PyTorch's default allocator and with expandable segments
   (``memopt-train``'s default), each in a fresh process.
 - planner: MemoryBudget plans for a device of the model states and half the rest of the case's unchecked
@@ -55,6 +57,7 @@ from truth_cases import SUITES
 from truth_device import TruthDevice
 from truth_memory import margin_row, planned_row, prediction_rows, smallest_device_rows
 from truth_recovery import cuda_tests_row, overflow_row, recovery_row
+from truth_reference import reference_rows
 from truth_rows import FIGURES, failed, markdown, row
 from truth_runtime import monitor_rows, step_time_rows
 from truth_seeds import SEEDS, planned_knobs, runs_here, seed_row
@@ -114,6 +117,7 @@ def measure(device: TruthDevice, suite_name: str, workers: int) -> list[dict]:
         return produced
 
     section("prediction", predictions)
+    section("reference batch", lambda: reference_rows(device, suite_name, workers))
     section(
         "smallest device",
         lambda: smallest_device_rows(device, suite_name, [r for r in rows if r["section"] == "prediction"]),

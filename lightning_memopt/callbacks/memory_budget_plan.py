@@ -4,7 +4,7 @@ it plans for it, and what it says when nothing fits."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -82,7 +82,9 @@ def trainer_precision(trainer: Trainer) -> str | None:
 
 def hardware_for(device: torch.device, name: str | None, budget: float | None) -> Hardware:
     """The catalogue's ``name`` or the live ``device`` (off CUDA: this CPU, timed), with ``budget`` GiB if given
-    (off CUDA, default the host memory available now).
+    (off CUDA, default the host memory available now). A catalogue GPU for a run off CUDA (a budget of a
+    :class:`~lightning_memopt.memory.SimulatedDevice`) lends its rates; the run's tensors are counted as that
+    device keeps them (no CUDA autocast lists, no cuBLAS or cuDNN workspaces).
 
     Example::
 
@@ -91,6 +93,8 @@ def hardware_for(device: torch.device, name: str | None, budget: float | None) -
     """
     if name is not None:
         hardware = gpu(name)
+        if device.type != "cuda":
+            hardware = replace(hardware, device_type=device.type, workspace=None)
     elif device.type == "cuda":
         hardware = cuda_hardware(device)
     else:

@@ -16,7 +16,7 @@ SIBLINGS = {
     name: sys.modules[name]
     for name in (
         "truth_allocator", "truth_cases", "truth_device", "truth_memory", "truth_recovery", "truth_rows",
-        "truth_runtime", "truth_seeds",
+        "truth_reference", "truth_runtime", "truth_seeds",
     )
 }  # fmt: skip
 truth_device, truth_memory, truth_recovery, truth_rows, truth_seeds = (
@@ -25,6 +25,7 @@ truth_device, truth_memory, truth_recovery, truth_rows, truth_seeds = (
 SECTIONS = [
     "device",
     "prediction",
+    "reference batch",
     "smallest device",
     "calibration",
     "allocator",
@@ -56,6 +57,8 @@ def test_the_dry_run_measures_every_section_and_every_check_passes(tmp_path):
     assert {r["variant"] for r in rows if r["section"] == "step time"} >= {"none", "selective", "full", "offload"}
     assert (tmp_path / "truth.md").read_text() == gpu_truth.document(rows) + "\n"
     assert 0 <= float(by_section["calibration"]["ratio"]) < 0.1  # the tracker's peaks are the predictions'
+    reference = [r for r in rows if r["section"] == "reference batch"]
+    assert len(reference) == 3 * 2 and all(r["passed"] == "yes" for r in reference)  # three tiny presets × 2
     allocator = [r for r in rows if r["section"] == "allocator"]
     assert [r["variant"] for r in allocator] == ["32-true, default", "32-true, expandable_segments:True"]
     assert allocator[0]["allocated_mib"] == allocator[1]["allocated_mib"]  # the same step, counted the same
@@ -63,7 +66,7 @@ def test_the_dry_run_measures_every_section_and_every_check_passes(tmp_path):
     assert [r["variant"].split(":")[0] for r in seeds] == [f"planned for {name}" for name in
                                                             ("rtx3090_24gb", "a800_80gb", "v100_32gb")]  # fmt: skip
     assert all(r["passed"] == "yes" and float(r["allocated_mib"]) > 0 for r in seeds)
-    assert "0 of 21 checks failed" in done.stdout
+    assert "0 of 27 checks failed" in done.stdout
 
 
 @pytest.mark.parametrize(("passed", "code"), [(True, 0), (False, 1)])

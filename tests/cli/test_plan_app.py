@@ -15,7 +15,7 @@ def _memopt_plan(args, cwd):
 @pytest.mark.slow
 def test_memopt_plan_prints_the_candidates_the_choice_and_its_command_and_writes_the_chart(tmp_path):
     pytest.importorskip("matplotlib")
-    result = _memopt_plan([*TINY_PLAN, "budget=0.006", "plan.png=plan.png"], tmp_path)
+    result = _memopt_plan([*TINY_PLAN, "budget=0.02", "plan.png=plan.png"], tmp_path)  # (A100 cuBLAS: 16 MiB)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "candidate" in out and "peak MiB" in out and "chosen: " in out
