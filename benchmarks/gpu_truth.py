@@ -1,7 +1,7 @@
 """GPU truth: every memory and time claim re-measured on a CUDA device, in one command.
 
-    python benchmarks/gpu_truth.py            # every preset, ≤ 10 minutes on one H100 → gpu_truth.csv / .md
-    python benchmarks/gpu_truth.py --quick    # one preset per family, ≤ 3 minutes → gpu_truth_quick.csv / .md
+    python benchmarks/gpu_truth.py            # every preset (target: ≤ 10 min on one H100) → gpu_truth.csv
+    python benchmarks/gpu_truth.py --quick    # one preset per family → gpu_truth_quick.csv / .md
     python benchmarks/gpu_truth.py --dry-run  # the tiny presets on the CPU: the same code path (what CI runs)
     python benchmarks/gpu_truth.py --table [--csv benchmarks/gpu_truth.csv]   # the markdown from a CSV
 
@@ -47,7 +47,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from datetime import date
 from pathlib import Path
 
@@ -102,38 +102,48 @@ def measure(device: TruthDevice, suite_name: str, workers: int) -> list[dict]:
         rows.extend(run_section(name, produce))
 
     # the seeds' plans take minutes of fake-mode profiles on the CPU: made in workers while the device measures
+    # the memory sections, collected before the timings (their host work would skew them)
     planners = ProcessPoolExecutor(max_workers=max(1, len(seeds)), mp_context=multiprocessing.get_context("spawn"))
-    plans = {
-        i: planners.submit(planned_knobs, suite_name, i, device.is_cuda)
-        for i, seed in enumerate(seeds)
-        if runs_here(device, seed)
-    }
+    try:
+        plans = {
+            i: planners.submit(planned_knobs, suite_name, i, device.is_cuda)
+            for i, seed in enumerate(seeds)
+            if runs_here(device, seed)
+        }
+        unchecked: dict[str, tuple[int, int]] = {}
 
-    unchecked: dict[str, tuple[int, int]] = {}
+        def predictions() -> list[dict]:
+            produced, peaks = prediction_rows(device, suite_name, workers)
+            unchecked.update(peaks)
+            return produced
 
-    def predictions() -> list[dict]:
-        produced, peaks = prediction_rows(device, suite_name, workers)
-        unchecked.update(peaks)
-        return produced
-
-    section("prediction", predictions)
-    section("reference batch", lambda: reference_rows(device, suite_name, workers))
-    section(
-        "smallest device",
-        lambda: smallest_device_rows(device, suite_name, [r for r in rows if r["section"] == "prediction"]),
-    )
-    section("calibration", lambda: [margin_row([r for r in rows if r["section"] == "smallest device"])])
-    section("allocator", lambda: allocator_rows(device, suite_name))
-    section("planner", lambda: [planned_row(device, case, unchecked[case.name]) for case in suite.planning])
+        section("prediction", predictions)
+        section("reference batch", lambda: reference_rows(device, suite_name, workers))
+        section(
+            "smallest device",
+            lambda: smallest_device_rows(device, suite_name, [r for r in rows if r["section"] == "prediction"]),
+        )
+        section("calibration", lambda: [margin_row([r for r in rows if r["section"] == "smallest device"])])
+        section("allocator", lambda: allocator_rows(device, suite_name))
+        section("planner", lambda: [planned_row(device, case, unchecked[case.name]) for case in suite.planning])
+        planned = {i: _plan_or_error(future) for i, future in plans.items()}
+    finally:
+        planners.shutdown(cancel_futures=True)
     section("step time", lambda: [r for case in suite.timings for r in step_time_rows(device, case, suite.rounds)])
     section("monitor", lambda: monitor_rows(device, suite.monitor, suite.monitor_steps, suite.rounds))
     section("oom recovery", lambda: [recovery_row(device, suite.recovery)])
     section("overflow", lambda: [overflow_row(device, suite.overflow)])
-    section("seeds", lambda: [seed_row(device, seed, plans[i].result() if i in plans else None)
-                              for i, seed in enumerate(seeds)])  # fmt: skip
-    planners.shutdown(cancel_futures=True)
+    section("seeds", lambda: [seed_row(device, seed, planned.get(i)) for i, seed in enumerate(seeds)])
     section("cuda tests", lambda: [cuda_tests_row(device)])
     return rows
+
+
+def _plan_or_error(future: Future) -> tuple:
+    """A seed's plan from its worker, or no knobs and the worker's error (the seed row then says it)."""
+    try:
+        return future.result()
+    except Exception as error:  # noqa: BLE001 — a plan that fails is a finding of its row
+        return None, 0, f"planning failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def document(rows: list[dict]) -> str:
@@ -151,7 +161,9 @@ def table(path: Path) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--quick", action="store_true", help="one preset per family (≤ 3 minutes on one H100)")
+    which.add_argument(
+        "--quick", action="store_true", help="one preset per family (fewer rows; not yet timed on a GPU)"
+    )
     which.add_argument("--dry-run", action="store_true", help="the tiny presets on the CPU, as CI runs it")
     parser.add_argument("--csv", type=Path, help="where to write (default: benchmarks/gpu_truth[_quick].csv; "
                         "a temporary folder for --dry-run); the markdown goes beside it (.md)")  # fmt: skip

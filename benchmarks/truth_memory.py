@@ -150,9 +150,14 @@ DEFAULT_SAFETY_MARGIN = 0.1  # the planner's (plan(), MemoryBudget, memopt-plan)
 
 def smallest_cap(device: TruthDevice, case: Case, precision: str, policy: str | None, low: int, high: int) -> int:
     """The least memory (bytes) of a device on which two steps of ``case`` run, to 1/32 of ``high − low``:
-    bisected between ``low`` (the allocated peak: never less) and ``high`` (doubled until it runs)."""
+    bisected between ``low`` (the allocated peak: never less) and ``high`` (doubled until it runs, at most the
+    device's memory beside its context: past it, a ``RuntimeError``)."""
+    usable = device.total_bytes - device.context_bytes if device.is_cuda else None
+    high = high if usable is None else min(high, usable)
     while not _runs_within(device, case, precision, policy, high):
-        low, high = high, 2 * high
+        if usable is not None and high >= usable:
+            raise RuntimeError(f"{case.name} does not run within this device's {usable / 2**20:.0f} MiB")
+        low, high = high, 2 * high if usable is None else min(2 * high, usable)
     for _ in range(5):
         middle = (low + high) // 2
         low, high = (low, middle) if _runs_within(device, case, precision, policy, middle) else (middle, high)

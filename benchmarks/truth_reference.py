@@ -95,14 +95,25 @@ def reference_rows(device: TruthDevice, suite: str, workers: int) -> list[dict]:
         for (preset, precision), future in futures.items():
             cfg = _config(suite, preset, precision, gpu)
             case = Case(preset, preset, lambda cfg=cfg: instantiate_model(cfg.model), lambda cfg=cfg: first_batch(cfg))
-            peak, _ = measured_peak(device, case, "bf16-mixed" if precision == "bf16-mixed" else "32-true", None)
-            predicted = future.result()
+            variant, predicted = f"{precision}, batch {cfg.data.batch_size}", future.result()
+            usable = device.total_bytes - device.context_bytes
+            if device.is_cuda and predicted > usable:
+                note = f"predicted {predicted / 2**30:.1f} GiB: more than this device's {usable / 2**30:.1f} GiB"
+                rows.append(row("reference batch", preset, variant, predicted=predicted, note=note))
+                continue
+            try:
+                peak, _ = measured_peak(device, case, "bf16-mixed" if precision == "bf16-mixed" else "32-true", None)
+            except torch.OutOfMemoryError as error:  # one row fails, the others are measured
+                device.release()
+                note = f"ran out of memory: {str(error).splitlines()[0]}"
+                rows.append(row("reference batch", preset, variant, predicted=predicted, passed=False, note=note))
+                continue
             deviation = predicted / peak.allocated - 1
             rows.append(
                 row(
                     "reference batch",
                     preset,
-                    f"{precision}, batch {cfg.data.batch_size}",
+                    variant,
                     predicted=predicted,
                     peak=peak,
                     deviation=deviation,

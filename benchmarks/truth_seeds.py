@@ -57,7 +57,7 @@ SEEDS = {
 
 def runs_here(device: TruthDevice, seed: Seed) -> bool:
     """Whether this device has the memory of the seed's GPU (a CPU's simulated device always has)."""
-    return not device.is_cuda or gpu(seed.gpu).memory_bytes <= device.total_bytes - device.context_bytes
+    return not device.is_cuda or gpu(seed.gpu).memory_bytes <= device.total_bytes
 
 
 def planned_knobs(suite: str, index: int, on_cuda: bool) -> tuple[dict[str, Any] | None, int, str]:
@@ -75,12 +75,14 @@ def planned_knobs(suite: str, index: int, on_cuda: bool) -> tuple[dict[str, Any]
 
 def seed_row(device: TruthDevice, seed: Seed, planned: tuple[dict[str, Any] | None, int, str] | None) -> dict:
     """The seed's planned run on this device capped to its GPU's memory (``planned``: :func:`planned_knobs`)."""
-    cap = gpu(seed.gpu).memory_bytes
+    cap = gpu(seed.gpu).memory_bytes - device.context_bytes  # that GPU's CUDA context takes its share as ours does
     variant = f"planned for {seed.gpu}"
     if planned is None:
-        usable = (device.total_bytes - device.context_bytes) / 2**30
-        return row("seeds", seed.case.name, variant, note=f"cannot run here: {seed.gpu} has {cap / 2**30:.1f} GiB, "
-                   f"{device.name} {usable:.1f} GiB beside its CUDA context")  # fmt: skip
+        usable, needed = (device.total_bytes - device.context_bytes) / 2**30, gpu(seed.gpu).memory_bytes / 2**30
+        note = (
+            f"cannot run here: {seed.gpu} has {needed:.1f} GiB, {device.name} {usable:.1f} GiB beside its CUDA context"
+        )
+        return row("seeds", seed.case.name, variant, note=note)
     knobs, predicted, why_not = planned
     if knobs is None:
         return row("seeds", seed.case.name, variant, passed=False, note=why_not)

@@ -94,7 +94,7 @@ def hardware_for(device: torch.device, name: str | None, budget: float | None) -
     if name is not None:
         hardware = gpu(name)
         if device.type != "cuda":
-            hardware = replace(hardware, device_type=device.type, workspace=None)
+            hardware = replace(hardware, device_type="cpu", workspace=None)
     elif device.type == "cuda":
         hardware = cuda_hardware(device)
     else:

@@ -8,7 +8,9 @@ them: a bf16 step planned for a GPU must be profiled with CUDA's lists. :class:`
 applies them above CPU autocast, by the function's name, as ``aten/src/ATen/autocast_mode.cpp`` (torch
 2.x) casts:
 
-- ``fp32``: floating inputs in lower precision are cast to fp32 (a copy, what autograd saves);
+- ``fp32``: floating inputs in lower precision are cast to fp32 (a copy, what autograd saves); ``normalize``
+  too, whose inner ``norm`` CUDA runs in fp32 so that the division returns fp32 (the mode sees only the
+  outermost function of a call);
 - ``fp32_set_opt_dtype``: the op runs with ``dtype=torch.float32`` when none is given (no input copy);
 - ``promote``: inputs cast to the widest floating dtype among them;
 - ``lower_precision_fp`` ops that CPU autocast leaves alone: fp32 inputs cast to the autocast dtype;
@@ -86,6 +88,7 @@ FP32 = frozenset(
         "renorm",
         "logsumexp",
         "cross_entropy",
+        "normalize",
     ]
 )
 FP32_SET_DTYPE = frozenset(
@@ -99,6 +102,7 @@ FP32_SET_DTYPE = frozenset(
         "matrix_norm",
         "linalg_vector_norm",
         "linalg_matrix_norm",
+        "linalg_norm",
         "sum",
         "norm",
     ]
@@ -169,6 +173,8 @@ class CudaAutocastLists(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if not torch.is_autocast_enabled("cpu") or name not in _HANDLED:
             return func(*args, **kwargs)
+        if kwargs.get("out") is not None or any(isinstance(arg, torch.dtype) for arg in args):
+            return func(*args, **kwargs)  # CUDA autocasts neither `out=` forms nor a dtype given positionally
         if name in FP32:
             args, kwargs = _cast(args, kwargs, lambda t: t.dtype in _LOWER, torch.float32)
         elif name in FP32_SET_DTYPE:
@@ -190,8 +196,8 @@ _HANDLED = FP32 | FP32_SET_DTYPE | PROMOTE | LOWER_ON_CUDA_ONLY | FP32_ON_CPU_ON
 
 
 def active_lists() -> CudaAutocastLists | None:
-    """The :class:`CudaAutocastLists` active on this thread, if any."""
-    return next((mode for mode in active_function_modes() if isinstance(mode, CudaAutocastLists)), None)
+    """The innermost :class:`CudaAutocastLists` active on this thread, if any."""
+    return next((mode for mode in reversed(active_function_modes()) if isinstance(mode, CudaAutocastLists)), None)
 
 
 def under_lists_of_forward(forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -477,8 +477,8 @@ class MemoryTracker(TorchDispatchMode):
     def _count_workspace(self, op: str, args: Any, out: Any) -> None:
         assert self.workspace is not None
         if op in MATMUL_OPS and self.phase in ("forward", "backward") and self.phase not in self._cublas_phases:
-            self._cublas_phases.add(self.phase)  # kept from the thread's first product on
             self._workspace_record(self.workspace.cublas_bytes, "cublas workspace", kept=True)
+            self._cublas_phases.add(self.phase)  # kept from the thread's first product on (counted: a budget passed)
         elif op in CONVOLUTION_OPS:
             sizes = [t.numel() * t.element_size() for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
             self._workspace_record(self.workspace.transient_bytes(max(sizes), 0), "cudnn workspace", kept=False)

@@ -225,5 +225,9 @@ def cuda_hardware(device: torch.device) -> Hardware:
             return replace(GPUS[closest], memory_bytes=properties.total_memory)
     generic = GPUS["a100_80gb"]
     return replace(
-        generic, name=properties.name, memory_bytes=properties.total_memory, bf16=torch.cuda.is_bf16_supported()
+        generic,
+        name=properties.name,
+        memory_bytes=properties.total_memory,
+        bf16=torch.cuda.is_bf16_supported(),
+        workspace=HOPPER if properties.major >= 9 else BEFORE_HOPPER,  # PyTorch's cuBLAS workspace by architecture
     )

@@ -32,7 +32,7 @@ CASES = {
     "sum": (lambda: x16.sum(), FP32, BF16),
     "exp": (lambda: torch.exp(x16), FP32, BF16),
     "power operator": (lambda: x16**2, FP32, BF16),
-    "normalize": (lambda: F.normalize(x16, dim=1), BF16, BF16),  # norm in fp32, the division in the input's
+    "normalize": (lambda: F.normalize(x16, dim=1), FP32, BF16),  # CUDA's norm in fp32: the division promotes
     "linear": (lambda: F.linear(x32, torch.randn(8, 8)), BF16, BF16),
     "einsum": (lambda: torch.einsum("ij,jk->ik", x32, torch.randn(8, 8)), BF16, BF16),
     "mv": (lambda: torch.mv(x32, torch.randn(8)), BF16, FP32),
@@ -65,6 +65,9 @@ def test_outside_autocast_nothing_is_cast():
 
 def test_a_given_dtype_is_kept():
     assert _under_cuda_lists(lambda: x16.sum(dtype=BF16)).dtype == BF16
+    assert _under_cuda_lists(lambda: torch.softmax(x16, -1, BF16)).dtype == BF16  # given positionally
+    out = torch.empty(4, 6, 6, dtype=BF16)
+    assert _under_cuda_lists(lambda: torch.sum(x16, 0, out=out)) is out  # an out= form is not autocast
 
 
 class _Block(nn.Module):
