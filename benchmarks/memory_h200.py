@@ -46,32 +46,38 @@ def _predict(job: tuple[int, str, str | None]) -> int:
     return predicted_peak("full", index, precision, policy, "cuda", gpu("h200_141gb").workspace)
 
 
+def _row(case: str, variant: str, allocated: float, then: float, now: float) -> dict:
+    """A CSV row (MiB: the H200's allocated peak, the prediction of that day, today's), printed."""
+    row = {
+        "case": case,
+        "variant": variant,
+        "allocated_mib": f"{allocated:.1f}",
+        "predicted_then_mib": f"{then:.1f}",
+        "deviation_then": f"{then / allocated - 1:+.3f}",
+        "predicted_now_mib": f"{now:.1f}",
+        "deviation_now": f"{now / allocated - 1:+.3f}",
+    }
+    print(f"{case:<36}{variant:<34}{row['allocated_mib']:>10}{row['deviation_then']:>8}{row['deviation_now']:>8}",
+          flush=True)  # fmt: skip
+    return row
+
+
 def measure(workers: int) -> list[dict]:
     """One row per prediction row of the H200 CSV."""
     cases = SUITES["full"].predictions
     jobs = [(index, precision, policy) for index in range(len(cases)) for precision, policy in VARIANTS]
     measured = measured_mib()
-    rows = []
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        for (index, precision, policy), peak in zip(jobs, pool.map(_predict, jobs), strict=True):
-            allocated, then = measured[cases[index].name, _variant(precision, policy)]
-            now = peak / MIB
-            rows.append(
-                {
-                    "case": cases[index].name,
-                    "variant": _variant(precision, policy),
-                    "allocated_mib": f"{allocated:.1f}",
-                    "predicted_then_mib": f"{then:.1f}",
-                    "deviation_then": f"{then / allocated - 1:+.3f}",
-                    "predicted_now_mib": f"{now:.1f}",
-                    "deviation_now": f"{now / allocated - 1:+.3f}",
-                }
-            )
-            row = rows[-1]
-            print(f"{row['case']:<36}{row['variant']:<34}{row['allocated_mib']:>10}{row['deviation_then']:>8}"
-                  f"{row['deviation_now']:>8}", flush=True)  # fmt: skip
-    return rows
+        return [
+            _row(
+                cases[index].name,
+                _variant(precision, policy),
+                *measured[cases[index].name, _variant(precision, policy)],
+                peak / MIB,
+            )  # fmt: skip
+            for (index, precision, policy), peak in zip(jobs, pool.map(_predict, jobs), strict=True)
+        ]
 
 
 def _reference(job: tuple[str, str]) -> int:
@@ -82,26 +88,18 @@ def reference_rows(workers: int) -> list[dict]:
     """One row per reference-batch peak the H200 measured."""
     measured = read_rows(HERE / "reference_batch_peaks_h200.csv")
     jobs = [(row["preset"], row["precision"]) for row in measured]
-    rows = []
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        for line, peak in zip(measured, pool.map(_reference, jobs), strict=True):
-            allocated, then = (float(line["allocated_gib"]) * 1024, float(line["predicted_gib"]) * 1024)
-            now = peak / MIB
-            rows.append(
-                {
-                    "case": f"{line['preset']} reference batch",
-                    "variant": line["precision"],
-                    "allocated_mib": f"{allocated:.1f}",
-                    "predicted_then_mib": f"{then:.1f}",
-                    "deviation_then": f"{then / allocated - 1:+.3f}",
-                    "predicted_now_mib": f"{now:.1f}",
-                    "deviation_now": f"{now / allocated - 1:+.3f}",
-                }
-            )
-            print(f"{rows[-1]['case']:<36}{rows[-1]['variant']:<34}{rows[-1]['allocated_mib']:>10}"
-                  f"{rows[-1]['deviation_then']:>8}{rows[-1]['deviation_now']:>8}", flush=True)  # fmt: skip
-    return rows
+        return [
+            _row(
+                f"{line['preset']} reference batch",
+                line["precision"],
+                float(line["allocated_gib"]) * 1024,
+                float(line["predicted_gib"]) * 1024,
+                peak / MIB,
+            )  # fmt: skip
+            for line, peak in zip(measured, pool.map(_reference, jobs), strict=True)
+        ]
 
 
 def table(path: Path) -> str:

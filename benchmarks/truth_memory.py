@@ -28,6 +28,7 @@ from lightning_memopt.memory import profile_step
 from lightning_memopt.memory.step_parts import lightning_optimizer, quiet_logging, training_step_fn
 from lightning_memopt.memory.workspace import LibraryWorkspace
 from lightning_memopt.planner.hardware import cuda_hardware
+from lightning_memopt.planner.space import DEFAULT_SAFETY_MARGIN
 from lightning_memopt.vocabulary import GIB
 
 # (precision, checkpointing policy): fp32 and bf16-mixed, without and with the preset's blocks checkpointed
@@ -145,7 +146,6 @@ def prediction_rows(device: TruthDevice, suite: str, workers: int) -> tuple[list
 
 
 MARGIN_VARIANTS = (("32-true", None), ("bf16-mixed", "preset"))  # the smallest device: unchecked fp32, checked bf16
-DEFAULT_SAFETY_MARGIN = 0.1  # the planner's (plan(), MemoryBudget, memopt-plan)
 
 
 def smallest_cap(device: TruthDevice, case: Case, precision: str, policy: str | None, low: int, high: int) -> int:

@@ -30,7 +30,7 @@ from lightning_memopt.planner import Knobs, Plan
 from lightning_memopt.planner import gpu as catalogue_gpu
 from lightning_memopt.planner.hardware import GpuName
 from lightning_memopt.planner.knobs import KnobsMapping
-from lightning_memopt.planner.space import check_safety_margin
+from lightning_memopt.planner.space import DEFAULT_SAFETY_MARGIN, check_safety_margin
 from lightning_memopt.private_api import training_dataloader
 from lightning_memopt.strategies import MemoptFSDPStrategy
 
@@ -95,7 +95,7 @@ class MemoryBudget(CallbackGroup):
         self,
         budget: float | None = None,
         gpu: GpuName | None = None,
-        safety_margin: float = 0.1,
+        safety_margin: float = DEFAULT_SAFETY_MARGIN,
         knobs: KnobsMapping | None = None,
         sample_batch: Any = None,
         verify: int = 3,

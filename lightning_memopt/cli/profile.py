@@ -37,7 +37,10 @@ def profile(cfg: DictConfig) -> MemoryProfile:
         if device_type not in DEVICE_TYPES:
             raise ValueError(f"Unknown `profile.device_type`={device_type!r}; valid choices: {', '.join(DEVICE_TYPES)}")
         if device_type == "cuda":
-            workspace = gpu(cfg.profile.get("gpu", "h100_80gb")).workspace
+            try:
+                workspace = gpu(cfg.profile.get("gpu", "h100_80gb")).workspace
+            except ValueError as error:
+                raise ValueError(str(error).replace("`gpu`", "`profile.gpu`")) from None
     return profile_step(
         lambda: instantiate_model(cfg.model),
         first_batch(cfg),

@@ -32,6 +32,7 @@ from lightning_memopt.planner.options import ResultChangingOption
 from lightning_memopt.planner.report import Plan, PlanError
 from lightning_memopt.planner.sharding import ShardedModel
 from lightning_memopt.planner.space import (
+    DEFAULT_SAFETY_MARGIN,
     Group,
     check_choice_in,
     check_safety_margin,
@@ -51,7 +52,7 @@ def plan(
     *,
     loss_fn: LossFn | None = None,
     optimizer: OptimizerSource | None = None,
-    safety_margin: float = 0.1,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
     devices: int = 1,
     shards: Sequence[int] | None = None,
     cpu_offload: Sequence[bool] = (False, True),

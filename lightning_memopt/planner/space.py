@@ -26,6 +26,9 @@ class Group:
     lower_bound: float = 0.0  # no step of the group is faster (seconds)
 
 
+DEFAULT_SAFETY_MARGIN = 0.1  # plan(), MemoryBudget, memopt-plan: what gpu_truth.py's calibration row checks
+
+
 def check_safety_margin(safety_margin: Any) -> float:
     """``safety_margin`` as a float in [0, 1): the fraction of the device's memory a plan keeps free.
 

@@ -39,6 +39,8 @@ def test_a_prediction_for_cuda_counts_the_library_workspaces_of_the_gpu_named():
     assert ampere.peak_bytes < hopper.peak_bytes
     with pytest.raises(ValueError, match=r"Unknown `profile.device_type`='tpu'; valid choices: cpu, cuda"):
         profile(_compose(*TINY_FACE, "profile.device_type=tpu"))
+    with pytest.raises(ValueError, match=r"Unknown `profile.gpu`='a6000'; valid names: v100_16gb"):
+        profile(_compose(*TINY_FACE, "profile.gpu=a6000"))
 
 
 def test_the_chart_is_written(tmp_path):
