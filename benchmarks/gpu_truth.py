@@ -4,31 +4,36 @@
     python benchmarks/gpu_truth.py --quick    # one preset per family → gpu_truth_quick.csv / .md
     python benchmarks/gpu_truth.py --dry-run  # the tiny presets on the CPU: the same code path (what CI runs)
     python benchmarks/gpu_truth.py --table [--csv benchmarks/gpu_truth.csv]   # the markdown from a CSV
+    python benchmarks/gpu_truth.py --deadline 480  # no section starts after 8 minutes (a device lent for minutes)
 
-Sections (one CSV, one markdown table per section, the device and its driver in the first row):
+Sections, in the order they run (the most important first; one CSV and one markdown table per section, the device
+and its driver in the first row; both files are rewritten after each section):
 
+- step time: forward + backward under none / selective / full / offload, and bf16-mixed against 32-true,
+  beside the planner's predicted ratio; at the sizes that keep the GPU busy, issue 38's targets are checked (full
+  ≤ 1.38×, selective ≤ 1.10× and no slower than full, offload ≤ 1.15 × the larger of the unchecked step and the
+  offloaded bytes over the host link's measured rate out plus in).
+- monitor: MemoryMonitor's allocator figures, and a fit's time with it over without.
+- oom recovery: a device capped between the whole batch's peak and half's; AdaptiveAccumulation must recover
+  with the gradients of the whole batch.
+- overflow: PrecisionSwitch 16-mixed with an inf gradient injected: the scaler skips the step, halves the scale.
 - prediction: each preset at a reduced input, fp32 and bf16-mixed, with and without its blocks
   checkpointed: the fake-mode peak (nothing allocated, computed in worker processes) against
   ``torch.cuda.max_memory_allocated``, beside ``max_memory_reserved``. A prediction more than 5% off fails.
+- reference batch: the README's memory table (every preset at its reference batch, ``memory_profile.py``)
+  predicted for this device against two real training steps; more than 5% off fails (needs hydra-core).
 - smallest device: for r50, sapiens_0.3b and cotracker3 (unchecked fp32, checkpointed bf16-mixed), the least
   memory the step runs on (bisected with the device capped), and the safety margin its prediction needs there.
 - calibration: the least planner ``safety_margin`` covering every smallest-device row; it fails above the
   planner's default.
-- reference batch: the README's memory table (every preset at its reference batch, ``memory_profile.py``)
-  predicted for this device against two real training steps; more than 5% off fails (needs hydra-core).
+- seeds: the runs users could not fit (CoTracker2 on Kubric-size clips on a 24 GB RTX 3090, Sapiens-2B at
+  1024×768 on an 80 GB A800, r100 with TopoFR's loss at batch 32 on a 32 GB V100), planned for that GPU and
+  run on this device capped to its memory (see ``truth_seeds.py``).
 - allocator: reserved over allocated for r50's step, with PyTorch's default allocator and with expandable segments
   (``memopt-train``'s default), each in a fresh process.
 - planner: MemoryBudget plans for a device of the model states and half the rest of the case's unchecked
   fp32 peak; the fit runs on the device capped there (``set_per_process_memory_fraction``): the chosen
   knobs, the predicted and the real peak.
-- step time: forward + backward under none / selective / full / offload, and bf16-mixed against 32-true.
-- monitor: MemoryMonitor's allocator figures, and a fit's time with it over without.
-- oom recovery: a device capped between the whole batch's peak and half's; AdaptiveAccumulation must recover
-  with the gradients of the whole batch.
-- overflow: PrecisionSwitch 16-mixed with an inf gradient injected: the scaler skips the step, halves the scale.
-- seeds: the runs users could not fit (CoTracker2 on Kubric-size clips on a 24 GB RTX 3090, Sapiens-2B at
-  1024×768 on an 80 GB A800, r100 with TopoFR's loss at batch 32 on a 32 GB V100), planned for that GPU and
-  run on this device capped to its memory (see ``truth_seeds.py``).
 - cuda tests: ``pytest -m cuda`` over the project's tests.
 
 It exits with 1 when any check fails (a prediction more than 5% off included), after writing everything.
@@ -93,16 +98,43 @@ def run_section(name: str, produce: Callable[[], list[dict]]) -> list[dict]:
     return produced
 
 
-def measure(device: TruthDevice, suite_name: str, workers: int) -> list[dict]:
-    """Every section's rows, printed as each section ends."""
+def measure(
+    device: TruthDevice,
+    suite_name: str,
+    workers: int,
+    deadline: float = math.inf,
+    keep: Callable[[list[dict]], None] = print,
+) -> list[dict]:
+    """Every section's rows, printed as each section ends and handed to ``keep`` (the run writes its CSV there, so a
+    run stopped from outside leaves what it measured). A section that would start more than ``deadline`` seconds
+    after the first is not run: one row says so. The order is the order of importance: the timings first (no
+    worker process beside them), then the memory sections while workers make the seeds' plans."""
     suite, seeds = SUITES[suite_name], SEEDS[suite_name]
     rows = [device_row(device, suite_name)]
+    started = time.perf_counter()
 
     def section(name: str, produce: Callable[[], list[dict]]) -> None:
-        rows.extend(run_section(name, produce))
+        elapsed = time.perf_counter() - started
+        if elapsed > deadline:
+            rows.append(row(name, "not measured", "past --deadline", note=f"{elapsed:.0f} s > --deadline {deadline:g}"))
+            print(f"skip {name}: {elapsed:.0f} s passed, --deadline {deadline:g} s", flush=True)
+        else:
+            rows.extend(run_section(name, produce))
+        keep(rows)
 
+    section(
+        "step time",
+        lambda: [
+            r
+            for case in suite.timings
+            for r in step_time_rows(device, case, suite.rounds, targeted=case in suite.speed_targets)
+        ],
+    )
+    section("monitor", lambda: monitor_rows(device, suite.monitor, suite.monitor_steps, suite.rounds))
+    section("oom recovery", lambda: [recovery_row(device, suite.recovery)])
+    section("overflow", lambda: [overflow_row(device, suite.overflow)])
     # the seeds' plans take minutes of fake-mode profiles on the CPU: made in workers while the device measures
-    # the memory sections, collected before the timings (their host work would skew them)
+    # the memory sections (after the timings, whose host work they would skew)
     planners = ProcessPoolExecutor(max_workers=max(1, len(seeds)), mp_context=multiprocessing.get_context("spawn"))
     try:
         plans = {
@@ -124,22 +156,20 @@ def measure(device: TruthDevice, suite_name: str, workers: int) -> list[dict]:
             lambda: smallest_device_rows(device, suite_name, [r for r in rows if r["section"] == "prediction"]),
         )
         section("calibration", lambda: [margin_row([r for r in rows if r["section"] == "smallest device"])])
-        section("allocator", lambda: allocator_rows(device, suite_name))
-        section("planner", lambda: [planned_row(device, case, unchecked[case.name]) for case in suite.planning])
-        planned = {i: _plan_or_error(future) for i, future in plans.items()}
+        section("seeds", lambda: [seed_row(device, seed, _plan_or_error(plans.get(i))) for i, seed in enumerate(seeds)])
     finally:
-        planners.shutdown(cancel_futures=True)
-    section("step time", lambda: [r for case in suite.timings for r in step_time_rows(device, case, suite.rounds)])
-    section("monitor", lambda: monitor_rows(device, suite.monitor, suite.monitor_steps, suite.rounds))
-    section("oom recovery", lambda: [recovery_row(device, suite.recovery)])
-    section("overflow", lambda: [overflow_row(device, suite.overflow)])
-    section("seeds", lambda: [seed_row(device, seed, planned.get(i)) for i, seed in enumerate(seeds)])
+        planners.shutdown(wait=False, cancel_futures=True)
+    section("allocator", lambda: allocator_rows(device, suite_name))
+    section("planner", lambda: [planned_row(device, case, unchecked[case.name]) for case in suite.planning])
     section("cuda tests", lambda: [cuda_tests_row(device)])
     return rows
 
 
-def _plan_or_error(future: Future) -> tuple:
-    """A seed's plan from its worker, or no knobs and the worker's error (the seed row then says it)."""
+def _plan_or_error(future: Future | None) -> tuple | None:
+    """A seed's plan from its worker (None for a seed this device cannot run), or no knobs and the worker's error
+    (the seed row then says it)."""
+    if future is None:
+        return None
     try:
         return future.result()
     except Exception as error:  # noqa: BLE001 — a plan that fails is a finding of its row
@@ -169,12 +199,17 @@ def main() -> int:
                         "a temporary folder for --dry-run); the markdown goes beside it (.md)")  # fmt: skip
     parser.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
                         help="processes computing the fake-mode predictions")  # fmt: skip
+    parser.add_argument("--deadline", type=float, default=math.inf,
+                        help="seconds after which no further section starts (each one left out is a row that says "
+                        "so): a device lent for minutes keeps what the most important sections measured")  # fmt: skip
     parser.add_argument("--table", action="store_true", help="print the markdown of --csv and stop")
     args = parser.parse_args()
     suite = "dry" if args.dry_run else "quick" if args.quick else "full"
     name = {"dry": "gpu_truth_dry_run.csv", "quick": "gpu_truth_quick.csv", "full": "gpu_truth.csv"}[suite]
     if args.workers < 1:
         parser.error(f"--workers={args.workers} must be at least 1")
+    if not args.deadline > 0:
+        parser.error(f"--deadline={args.deadline:g} must be a positive number of seconds")
     if args.table:
         shown = args.csv or _HERE / name
         if not shown.is_file():
@@ -186,10 +221,14 @@ def main() -> int:
         parser.error("no CUDA device here: run it on a GPU machine, or check the code path with --dry-run")
     csv_path = args.csv or (Path(tempfile.mkdtemp(prefix="gpu_truth_")) if args.dry_run else _HERE) / name
     print(f"gpu_truth ({suite}) on {device.describe()}", flush=True)
-    rows = measure(device, suite, args.workers)
-    write_csv(csv_path, rows)
     markdown_path = csv_path.with_suffix(".md")
-    markdown_path.write_text(document(rows) + "\n")
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def keep(rows: list[dict]) -> None:
+        write_csv(csv_path, rows)
+        markdown_path.write_text(document(rows) + "\n")
+
+    rows = measure(device, suite, args.workers, args.deadline, keep)
     print(f"wrote {markdown_path}")
     failures = failed(rows)
     for line in failures:
