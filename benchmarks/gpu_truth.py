@@ -52,8 +52,8 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future, ProcessPoolExecutor
 from datetime import date
+from multiprocessing.pool import AsyncResult
 from pathlib import Path
 
 from results import read_rows, write_csv
@@ -135,10 +135,11 @@ def measure(
     section("overflow", lambda: [overflow_row(device, suite.overflow)])
     # the seeds' plans take minutes of fake-mode profiles on the CPU: made in workers while the device measures
     # the memory sections (after the timings, whose host work they would skew)
-    planners = ProcessPoolExecutor(max_workers=max(1, len(seeds)), mp_context=multiprocessing.get_context("spawn"))
+    # a pool that can be stopped: a run past its deadline must not wait minutes for plans it will not use
+    planners = multiprocessing.get_context("spawn").Pool(max(1, len(seeds)))
     try:
         plans = {
-            i: planners.submit(planned_knobs, suite_name, i, device.is_cuda)
+            i: planners.apply_async(planned_knobs, (suite_name, i, device.is_cuda))
             for i, seed in enumerate(seeds)
             if runs_here(device, seed)
         }
@@ -158,20 +159,20 @@ def measure(
         section("calibration", lambda: [margin_row([r for r in rows if r["section"] == "smallest device"])])
         section("seeds", lambda: [seed_row(device, seed, _plan_or_error(plans.get(i))) for i, seed in enumerate(seeds)])
     finally:
-        planners.shutdown(wait=False, cancel_futures=True)
+        planners.terminate()
     section("allocator", lambda: allocator_rows(device, suite_name))
     section("planner", lambda: [planned_row(device, case, unchecked[case.name]) for case in suite.planning])
     section("cuda tests", lambda: [cuda_tests_row(device)])
     return rows
 
 
-def _plan_or_error(future: Future | None) -> tuple | None:
+def _plan_or_error(future: AsyncResult | None) -> tuple | None:
     """A seed's plan from its worker (None for a seed this device cannot run), or no knobs and the worker's error
     (the seed row then says it)."""
     if future is None:
         return None
     try:
-        return future.result()
+        return future.get()
     except Exception as error:  # noqa: BLE001 — a plan that fails is a finding of its row
         return None, 0, f"planning failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 

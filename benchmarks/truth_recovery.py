@@ -152,16 +152,18 @@ def cuda_test_files() -> list[Path]:
 def cuda_tests_row(device: TruthDevice) -> dict:
     """``pytest -m cuda`` over the files that have such tests: all pass on CUDA (all skip on a CPU)."""
     files = cuda_test_files()
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *map(str, files)]
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-m", "cuda", "-p", "no:cacheprovider", *map(str, files)]
     done = subprocess.run(command, cwd=_TESTS.parent, capture_output=True, text=True, timeout=600, check=False)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr.strip()[-300:]
     counts = {word: int(number) for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
     ran = counts.get("passed", 0) if device.is_cuda else counts.get("skipped", 0)
     bad = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+    # which ones, so that a device lent for minutes says what to fix: "FAILED tests/x.py::test_y - Error: why"
+    which = [line.split(" ", 1)[1] for line in done.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     return row(
         "cuda tests",
         f"{len(files)} files",
         "pytest -m cuda",
         passed=done.returncode == 0 and ran > 0 and bad == 0,
-        note=summary,
+        note="; ".join([summary, *which]),
     )

@@ -225,6 +225,7 @@ def release_offload_buffers() -> int:
         True
     """
     released = _STREAM_COPIES.pool.release()
-    if torch.cuda.is_initialized():
-        torch.accelerator.empty_host_cache()
+    empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)  # torch >= 2.12
+    if torch.cuda.is_initialized() and empty_host_cache is not None:
+        empty_host_cache()
     return released

@@ -30,6 +30,14 @@ SAVED_OP_NAMES = (
     "_efficient_attention_forward",
 )
 SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in SAVED_OP_NAMES if hasattr(torch.ops.aten, name))
+# attention kernels that leave out the logsumexp their backward reads when autograd is off, as it is in a block's
+# first run: op → the position of its ``compute_log_sumexp`` argument
+_LOGSUMEXP_ARGUMENT = {
+    op: position
+    for op in SAVED_OPS
+    for position, argument in enumerate(op._schema.arguments)
+    if argument.name == "compute_log_sumexp"
+}
 
 
 def save_expensive_ops(context: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -79,7 +87,8 @@ class KeepExpensive(TorchDispatchMode):
         self.outputs: list[tuple[Any, Any, list[int]]] = []  # (op, output, the versions of its tensors)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        output = func(*args, **(kwargs or {}))
+        args, kwargs = _with_logsumexp(func, args, kwargs or {})
+        output = func(*args, **kwargs)
         if func in SAVED_OPS:
             self.outputs.append((func, output, [tensor_version(t) for t in _tensors(output)]))
         return output
@@ -108,6 +117,27 @@ class _Replay(TorchDispatchMode):
                 "block's forward must issue the same matmuls, convolutions and attention calls every time it runs"
             )
         return tree_map(lambda value: value.detach() if isinstance(value, torch.Tensor) else value, output)
+
+
+def _with_logsumexp(func: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``func``'s arguments asking for the logsumexp where it takes ``compute_log_sumexp``: the first run of a block
+    has autograd off, and the replayed output must be what the op makes with it on (CUDA's memory-efficient and
+    cuDNN attention return an empty logsumexp otherwise, which their backward refuses).
+
+    Example::
+
+        >>> q = torch.randn(1, 2, 40, 16, device="meta")
+        >>> op = torch.ops.aten._scaled_dot_product_efficient_attention.default
+        >>> args, kwargs = _with_logsumexp(op, (q, q, q, None, False), {})
+        >>> op(*args, **kwargs)[1].shape  # padded to a multiple of 32 rows
+        torch.Size([1, 2, 64])
+    """
+    position = _LOGSUMEXP_ARGUMENT.get(func)
+    if position is None:
+        return args, kwargs
+    if position < len(args):
+        return (*args[:position], True, *args[position + 1 :]), kwargs
+    return args, {**kwargs, "compute_log_sumexp": True}
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:

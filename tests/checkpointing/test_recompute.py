@@ -140,6 +140,46 @@ def test_selective_recomputes_only_the_cheap_ops_and_gives_up_on_an_output_chang
     assert torch.equal(expected, got)
 
 
+def test_attention_kept_from_a_first_run_without_autograd_has_the_logsumexp_its_backward_reads():
+    # CUDA's memory-efficient attention leaves the logsumexp out when autograd is off (a block's first run): an H100
+    # then refused the selective backward ("LSE is not correctly aligned (strideH)"); meta tensors keep its shapes
+    op = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    q = torch.randn(1, 2, 40, 16, device="meta")
+    keep = KeepExpensive()
+    with torch.no_grad(), keep:
+        op(q, q, q, None, torch.is_grad_enabled())
+    with torch.enable_grad(), keep.replay():
+        replayed = op(q, q, q, None, True)
+    assert replayed[1].shape == (1, 2, 64)  # 40 rows padded to 64, as the backward reads it
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 4, 16)).permute(2, 0, 3, 1, 4)
+        return x + self.out(nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_cuda_attention_blocks_give_the_gradients_of_the_plain_step(policy, precision):
+    torch.manual_seed(0)
+    reference = nn.Sequential(Attention(), Attention()).cuda()
+    checkpointed = copy.deepcopy(reference)
+    apply_activation_checkpointing(checkpointed, {"modules": ["0", "1"], "mode": policy})
+    x = torch.randn(2, 40, 64, device="cuda")
+    grads = []
+    for model in (reference, checkpointed):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == torch.bfloat16):
+            model(x).square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(*grads, strict=True))
+
+
 def test_a_replay_that_meets_another_op_says_which():
     keep = KeepExpensive()
     with keep:
