@@ -96,6 +96,7 @@ REGISTRY: dict[str, str | Renderer] = {
     "cli_startup.csv": "cli_startup:table",
     "compile_budget.csv": "compile_budget:table",
     "gpu_truth.csv": "gpu_truth:table",
+    "gpu_truth_h100.csv": "gpu_truth:table",
     "host_overhead.csv": "host_overhead:table",
     "cost_model_h200.csv": "cost_model_h200:table",
     "memory_h200.csv": "memory_h200:table",  # once a GPU session commits it (python benchmarks/gpu_truth.py)
