@@ -24,8 +24,8 @@ and its driver in the first row; both files are rewritten after each section):
   predicted for this device against two real training steps; more than 5% off fails (needs hydra-core).
 - smallest device: for r50, sapiens_0.3b and cotracker3 (unchecked fp32, checkpointed bf16-mixed), the least
   memory the step runs on (bisected with the device capped), and the safety margin its prediction needs there.
-- calibration: the least planner ``safety_margin`` covering every smallest-device row; it fails above the
-  planner's default.
+- calibration: the least planner ``safety_margin`` covering every smallest-device row whose prediction holds
+  (a prediction more than 5 % off fails its own row); it fails above the planner's default.
 - seeds: the runs users could not fit (CoTracker2 on Kubric-size clips on a 24 GB RTX 3090, Sapiens-2B at
   1024×768 on an 80 GB A800, r100 with TopoFR's loss at batch 32 on a 32 GB V100), planned for that GPU and
   run on this device capped to its memory (see ``truth_seeds.py``).
@@ -156,7 +156,12 @@ def measure(
             "smallest device",
             lambda: smallest_device_rows(device, suite_name, [r for r in rows if r["section"] == "prediction"]),
         )
-        section("calibration", lambda: [margin_row([r for r in rows if r["section"] == "smallest device"])])
+        section(
+            "calibration",
+            lambda: [
+                margin_row(*([r for r in rows if r["section"] == name] for name in ("smallest device", "prediction")))
+            ],
+        )
         section("seeds", lambda: [seed_row(device, seed, _plan_or_error(plans.get(i))) for i, seed in enumerate(seeds)])
     finally:
         planners.terminate()
@@ -230,6 +235,7 @@ def main() -> int:
         markdown_path.write_text(document(rows) + "\n")
 
     rows = measure(device, suite, args.workers, args.deadline, keep)
+    keep(rows)
     print(f"wrote {markdown_path}")
     failures = failed(rows)
     for line in failures:

@@ -26,7 +26,7 @@ class Group:
     lower_bound: float = 0.0  # no step of the group is faster (seconds)
 
 
-DEFAULT_SAFETY_MARGIN = 0.1  # plan(), MemoryBudget, memopt-plan: what gpu_truth.py's calibration row checks
+DEFAULT_SAFETY_MARGIN = 0.13  # plan(), MemoryBudget, memopt-plan: what gpu_truth.py's calibration row checks
 
 
 def check_safety_margin(safety_margin: Any) -> float:

@@ -6,6 +6,7 @@ import torch
 from lightning_memopt.checkpointing import apply_activation_checkpointing
 from lightning_memopt.memory import SimulatedDevice, profile_step
 from lightning_memopt.planner import Knobs, PlanError, gpu, plan, with_budget
+from lightning_memopt.planner.space import DEFAULT_SAFETY_MARGIN
 from lightning_memopt.tasks import FaceRecognitionModule
 from tests.foreign_models import StagedCNN, TinyViT, Unrepeated, classification_loss, image_batch
 from tests.helpers import tensors_only
@@ -53,7 +54,7 @@ def _real_peak(build, knobs: Knobs, budget_bytes: int) -> int:
 
 def _plan_between_the_peaks(build, unchecked: int, checkpointed: int, **options):
     """fp32 plans without micro-batches at a budget between the two peaks (10 % safety margin taken): plan, budget."""
-    budget = (unchecked + checkpointed) / 2 / 0.9
+    budget = (unchecked + checkpointed) / 2 / (1 - DEFAULT_SAFETY_MARGIN)
     hardware = tensors_only(with_budget(gpu("a100_80gb"), budget / 2**30))
     options = {"precisions": ["32-true"], "micro_batching": False, **options}
     return plan(build, BATCH, hardware, loss_fn=classification_loss, optimizer=_optimizer, **options), budget
@@ -125,7 +126,9 @@ def test_micro_batches_of_one_on_a_face_preset_are_left_out_with_the_reason(back
     whole = profile_step(build, batch, mode="fake", steps=1, warm_optimizer=True, round_to=512).breakdown
     trainable = sum(p.numel() * 4 for p in build().parameters() if p.requires_grad)
     states = whole["parameters"] + trainable + whole["optimizer_state"]
-    budget = (states + 2**16) / 0.9  # just above the model states: nothing fits, so every group is profiled
+    budget = (states + 2**16) / (
+        1 - DEFAULT_SAFETY_MARGIN
+    )  # just above the model states: nothing fits, so every group is profiled
     result = plan(
         build,
         batch,
