@@ -14,15 +14,14 @@ class path (``--data=lightning_memopt.data.ImageFolderFaceDataModule --data.root
 --data.num_classes=null``: ``null`` counts the identity folders), whose ``num_classes`` the model's
 classifier takes. Callbacks and strategies are given by class path in the config or on the command
 line; the registered strategy names (``ddp_memopt``, ``ddp_powersgd``, ``ddp_fp16_compress``,
-``ddp_bf16_compress``, ``fsdp_memopt``) work because this script imports
-:mod:`lightning_memopt.strategies`, which registers them with Lightning.
+``ddp_bf16_compress``, ``fsdp_memopt``) work because this script imports ``lightning_memopt``, which
+registers them with Lightning (:mod:`lightning_memopt.registration`).
 """
 
 from __future__ import annotations
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-import lightning_memopt.strategies  # noqa: F401 (registers ddp_memopt, ddp_powersgd, …, fsdp_memopt)
 from lightning_memopt.data import FaceDataModule
 from lightning_memopt.tasks import FaceRecognitionModule
 

@@ -7,10 +7,9 @@ command-line apps answer ``--help``, ``--cfg job`` and shell completion at once.
 resolved by jsonargparse / ``LightningCLI`` or Hydra's ``_target_``.
 
 Strategy names (``ddp_memopt``, ``ddp_powersgd``, ``ddp_fp16_compress``, ``ddp_bf16_compress``,
-``fsdp_memopt``) are registered in Lightning's ``StrategyRegistry`` by :mod:`lightning_memopt.strategies`,
-which is imported on the first use of any public name of the package; ``import lightning_memopt`` alone
-does not register them. Before ``Trainer(strategy="ddp_memopt")`` without another use of the package,
-``import lightning_memopt.strategies`` (``memopt-train`` does it for you).
+``fsdp_memopt``) are registered in Lightning's ``StrategyRegistry`` once both packages are imported, in
+either order (:mod:`lightning_memopt.registration`): after ``import lightning_memopt``,
+``Trainer(strategy="ddp_powersgd")`` works.
 
 Example::
 
@@ -18,7 +17,7 @@ Example::
     >>> lightning_memopt.create_model("iresnet_tiny").embedding_size
     32
     >>> from lightning.pytorch.strategies import StrategyRegistry
-    >>> "ddp_memopt" in StrategyRegistry and "fsdp_memopt" in StrategyRegistry  # registered by the first use
+    >>> "ddp_memopt" in StrategyRegistry and "fsdp_memopt" in StrategyRegistry
     True
 """
 
@@ -26,6 +25,10 @@ from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from lightning_memopt.registration import register_when_lightning_loads
+
+register_when_lightning_loads()  # Lightning learns the strategy names when it loads (now, if it has)
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports each name on first use
     from lightning_memopt.callbacks import (
@@ -74,7 +77,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Import a public name on its first use (and register the strategy names); ``AttributeError`` for others.
+    """Import a public name on its first use; ``AttributeError`` for others.
 
     Raises:
         AttributeError: ``name`` is not a public name of the package (a submodule not yet imported is then
@@ -97,7 +100,6 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'lightning_memopt' has no attribute {name!r}")
-    importlib.import_module("lightning_memopt.strategies")  # registers ddp_memopt, fsdp_memopt, … in Lightning
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later uses do not come back here
     return value
