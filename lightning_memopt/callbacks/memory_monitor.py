@@ -293,14 +293,17 @@ class MemoryMonitor(Callback):
                 directory = self.report_dir or Path(trainer.default_root_dir) / "memopt"
                 directory.mkdir(parents=True, exist_ok=True)
                 title = f"out of memory at step {trainer.global_step}"
-                written = self.write_oom_report(directory, self._device, title)
+                written = self.write_oom_report(directory, self._device, title, devices=trainer.num_devices)
                 rank_zero_info(f"MemoryMonitor: out of memory; wrote {', '.join(str(p) for p in written)}")
         finally:
             self._stop()
 
-    def write_oom_report(self, directory: Path, device: torch.device, title: str) -> list[Path]:
-        """Write the OOM files for ``device`` into ``directory``; returns the paths written."""
+    def write_oom_report(
+        self, directory: Path, device: torch.device, title: str, devices: int | None = None
+    ) -> list[Path]:
+        """Write the OOM files for ``device`` into ``directory`` (``devices``: how many the run has, for the advice);
+        returns the paths written."""
         if device.type != "cuda" and self.tracker is None and self.last_tracked is not None:
             # the failing step was not sampled: describe the last one that was
             title += f" (memory of the last sampled step, {self._sampled_step}; the failing step was not tracked)"
-        return write_oom_files(directory, device, self.tracker or self.last_tracked, title)
+        return write_oom_files(directory, device, self.tracker or self.last_tracked, title, devices)

@@ -50,6 +50,7 @@ def profile(cfg: DictConfig) -> MemoryProfile:
         round_to=cfg.profile.round_to,
         device_type=device_type,
         workspace=workspace,
+        blocks="auto",  # the table's activations by block, wherever the blocks sit
     )
 
 

@@ -38,10 +38,13 @@ class ModuleAttribution:
         self.hooks: list[Any] = []  # every handle added here or by the tracker: removed together
 
     def track_children(self, module: nn.Module) -> None:
-        """Name the storages made inside each top-level child of ``module`` after that child."""
+        """Name the storages made inside each top-level child of ``module`` after that child; a ``ModuleList`` or
+        ``ModuleDict`` child is never called itself, so its members carry its name."""
         for name, child in module.named_children():
-            self.hooks.append(child.register_forward_pre_hook(self._enter_module(name)))
-            self.hooks.append(child.register_forward_hook(self._leave_module))
+            members = child.children() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child]
+            for member in members:
+                self.hooks.append(member.register_forward_pre_hook(self._enter_module(name)))
+                self.hooks.append(member.register_forward_hook(self._leave_module))
 
     def track_blocks(self, model: nn.Module, names: Iterable[str]) -> None:
         """Attribute new storages to the named submodules of ``model`` (the innermost one that is running)."""

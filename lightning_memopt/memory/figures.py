@@ -53,8 +53,11 @@ def tracker_figures(tracker: MemoryTracker) -> dict[str, float]:
     return {"peak_allocated_gb": tracker.peak.total_bytes / GB, "allocated_gb": tracker.live_bytes / GB}
 
 
-def write_oom_files(directory: Path, device: torch.device, tracker: MemoryTracker | None, title: str) -> list[Path]:
-    """Write what an out-of-memory error leaves behind into ``directory``; the paths written.
+def write_oom_files(
+    directory: Path, device: torch.device, tracker: MemoryTracker | None, title: str, devices: int | None = None
+) -> list[Path]:
+    """Write what an out-of-memory error leaves behind into ``directory``; the paths written (``devices``: how many
+    the run has, which the advice on sharding names).
 
     On CUDA: ``oom_snapshot.pickle`` (the allocator's history, for https://pytorch.org/memory_viz)
     and ``oom_report.txt`` (``torch.cuda.memory_summary``). Elsewhere, from ``tracker``:
@@ -71,7 +74,7 @@ def write_oom_files(directory: Path, device: torch.device, tracker: MemoryTracke
     if tracker is None:
         return []
     report_path = directory / "oom_report.txt"
-    report_path.write_text(format_report(tracker.peak, title))
+    report_path.write_text(format_report(tracker.peak, title, devices=devices))
     written = [report_path]
     chart_path = directory / "oom_timeline.png"
     if tracker.timeline and write_timeline_chart(tracker.timeline, chart_path, title):

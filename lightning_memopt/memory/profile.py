@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lightning_memopt.memory.autocast_lists import CudaAutocastLists
+from lightning_memopt.memory.report import top_rows
 from lightning_memopt.memory.step_parts import (
     LossFn,
     ModelSource,
@@ -71,6 +72,7 @@ class MemoryProfile:
     parameter_casts: dict[str, int] = field(default_factory=dict)  # autocast's copies of parameters, at those moments
     work_counts: dict[tuple[str, str], Work] = field(default_factory=dict)  # per step, by (phase, block)
     blocks: dict[str, BlockAccount] = field(default_factory=dict)  # what each named block leaves for backward
+    activations_by_block: dict[str, int] = field(default_factory=dict)  # at the peak, per tracked block
 
     def work(self, phases: tuple[str, ...] | None = None, blocks: tuple[str, ...] | None = None) -> Work:
         """The work of one step in the given phases and blocks (all when ``None``)."""
@@ -92,7 +94,10 @@ class MemoryProfile:
             lines.append(f"{category:<24}{nbytes / GIB:>10.3f}{share:>8.1%}")
         if self.activations_by_module:
             lines.append(f"{'activations by module':<24}{'GiB':>10}")
-            lines += [f"  {name:<22}{nbytes / GIB:>10.3f}" for name, nbytes in self.activations_by_module.items()]
+            lines += [f"  {name:<22}{nbytes / GIB:>10.3f}" for name, nbytes in top_rows(self.activations_by_module)]
+        if self.activations_by_block:
+            lines.append(f"{f'activations by block ({len(self.activations_by_block)})':<24}{'GiB':>10}")
+            lines += [f"  {name:<22}{nbytes / GIB:>10.3f}" for name, nbytes in top_rows(self.activations_by_block)]
         return "\n".join(lines)
 
 
@@ -108,7 +113,7 @@ def profile_step(
     prepare_model: Callable[[nn.Module], Any] | None = None,
     round_to: int = 1,
     warm_optimizer: bool = False,
-    blocks: tuple[str, ...] = (),
+    blocks: tuple[str, ...] | str = (),
     host_parameters: bool = False,
     device_type: str | None = None,
     workspace: LibraryWorkspace | None = None,
@@ -139,7 +144,8 @@ def profile_step(
         warm_optimizer: before profiling, let the optimizer create its state with one step on zero
             gradients, so that a single profiled step (``steps=1``) already sees it.
         blocks: names of submodules whose forward leaves activations for the backward pass, for
-            :attr:`MemoryProfile.blocks` (what checkpointing each of them would free) and their work.
+            :attr:`MemoryProfile.blocks` (what checkpointing each of them would free), their work and
+            :attr:`MemoryProfile.activations_by_block`; ``"auto"``: the model's declared or discovered blocks.
         host_parameters: count the parameters as they are after ``prepare_model``, their gradients
             and optimizer state as host memory (``host_bytes``): an FSDP model offloaded to the CPU
             (``CPUOffloadPolicy``), profiled on a machine whose device is the host itself.
@@ -172,6 +178,8 @@ def profile_step(
         raise ValueError(f"`steps`={steps!r} must be at least 1")
     if device_type not in (None, *DEVICE_TYPES):
         raise ValueError(f"Unknown `device_type`={device_type!r}; valid choices: {', '.join(DEVICE_TYPES)}, None")
+    if isinstance(blocks, str) and blocks != "auto":
+        raise ValueError(f"Unknown `blocks`={blocks!r}; valid choices: 'auto' or a tuple of submodule names")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if mode == "fake" else None
     with contextlib.ExitStack() as stack:
         if fake_mode is not None:
@@ -206,6 +214,10 @@ def profile_step(
             tracker.track(module.parameters(), "parameters", op="parameters", host=True)
         tracker.track_module(module)
         tracker.label_gradients_on_arrival(module)
+        if blocks == "auto":
+            from lightning_memopt.models.structure import model_structure  # models build on memory: imported here
+
+            blocks = tuple(model_structure(module).block_names)
         tracker.track_blocks(module, blocks)
         tracker.track_optimizer(opt)
         tracker.track(tensors(batch), "inputs", op="batch")
@@ -278,6 +290,7 @@ def _profile_from(
         peak_bytes=peak.total_bytes,
         breakdown=peak.by_category(),
         activations_by_module=peak.activations_by_module(),
+        activations_by_block=peak.activations_by_block(),
         peak_phase=peak.phase,
         mode=label,
         precision=precision,

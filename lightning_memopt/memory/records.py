@@ -116,6 +116,15 @@ class MemorySnapshot:
                 totals[record.module or "<root>"] += record.nbytes
         return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
+    def activations_by_block(self) -> dict[str, int]:
+        """Activation bytes per tracked block (:meth:`MemoryTracker.track_blocks`: the declared or discovered blocks,
+        wherever they sit, a ``ModuleList``'s too), largest first; none when no block was tracked."""
+        totals: dict[str, int] = defaultdict(int)
+        for record in self.records:
+            if record.category == "activations" and record.block:
+                totals[record.block] += record.nbytes
+        return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
     def largest(self, count: int = 10) -> list[StorageRecord]:
         """The ``count`` largest storages."""
         return sorted(self.records, key=lambda record: -record.nbytes)[:count]

@@ -15,10 +15,11 @@ def _gib(nbytes: float) -> str:
     return format_bytes(nbytes, digits=3, gib_from=2**27)
 
 
-def suggestions(snapshot: MemorySnapshot) -> list[tuple[str, int, str]]:
+def suggestions(snapshot: MemorySnapshot, devices: int | None = None) -> list[tuple[str, int, str]]:
     """What to try, each as ``(remedy, estimated bytes saved, how the estimate was made)``, largest first.
 
-    The estimates are first-order: they assume the step's shape stays as it was at the peak.
+    The estimates are first-order: they assume the step's shape stays as it was at the peak. ``devices``: how
+    many the run has (sharding is proposed over those, or said to need more).
 
     Example::
 
@@ -27,20 +28,13 @@ def suggestions(snapshot: MemorySnapshot) -> list[tuple[str, int, str]]:
     """
     totals = snapshot.by_category()
     activations = totals["activations"]
-    by_module = snapshot.activations_by_module()
     fp32_activations = sum(
         r.nbytes for r in snapshot.records if r.category == "activations" and r.dtype == torch.float32
     )
     found = []
-    if activations and len(by_module) > 1:
-        kept = max(by_module.values())
-        found.append(
-            (
-                "activation checkpointing of the top-level blocks",
-                activations - kept,
-                "activations less the largest block's, which is recomputed live in backward",
-            )
-        )
+    checkpointing = _checkpointing(snapshot)
+    if checkpointing is not None:
+        found.append(checkpointing)
     if fp32_activations:
         found.append(
             (
@@ -52,39 +46,97 @@ def suggestions(snapshot: MemorySnapshot) -> list[tuple[str, int, str]]:
     if activations or totals["inputs"]:
         found.append(
             (
-                "micro-batches of half the batch, accumulated over 2 (trainer.accumulate_grad_batches=2)",
+                "halve the batch size and accumulate over 2 (data.batch_size=<half> "
+                "trainer.accumulate_grad_batches=2; or AdaptiveAccumulation)",
                 (activations + totals["inputs"]) // 2,
                 "half of the activations and inputs; the effective batch is unchanged",
             )
         )
     state = totals["parameters"] + totals["gradients"] + totals["optimizer_state"]
     if state:
-        found.append(
-            (
-                "sharding parameters, gradients and optimizer state over 8 GPUs (strategy=fsdp)",
-                state * 7 // 8,
-                "7/8 of parameters + gradients + optimizer state",
-            )
-        )
+        found.append(_sharding(state, devices))
     return sorted(found, key=lambda item: -item[1])
 
 
-def format_report(snapshot: MemorySnapshot, title: str, largest: int = 15) -> str:
-    """A plain-text report of ``snapshot``: breakdown, top-level modules, largest tensors, remedies."""
+def _checkpointing(snapshot: MemorySnapshot) -> tuple[str, int, str] | None:
+    """Checkpointing the tracked blocks (one is recomputed live at a time), else the top-level modules."""
+    by_block = snapshot.activations_by_block()
+    if len(by_block) > 1:
+        names = list(by_block)
+        held = sum(by_block.values())
+        return (
+            f"activation checkpointing of its {len(names)} blocks ({_span(names)}; memopt=checkpoint, or the "
+            "ActivationCheckpointing callback)",
+            held - max(by_block.values()),
+            "the blocks' activations less the largest block's, which is recomputed live in backward",
+        )
+    by_module = snapshot.activations_by_module()
+    if snapshot.by_category()["activations"] and len(by_module) > 1:
+        return (
+            "activation checkpointing of the top-level modules (the ActivationCheckpointing callback)",
+            snapshot.by_category()["activations"] - max(by_module.values()),
+            "activations less the largest module's, which is recomputed live in backward",
+        )
+    return None
+
+
+def _span(names: list[str]) -> str:
+    """``"blocks.0 … blocks.23"`` in module order where the names are numbered; else the first few."""
+    ordered = sorted(names, key=lambda name: [int(part) if part.isdigit() else part for part in name.split(".")])
+    return f"{ordered[0]} … {ordered[-1]}" if len(ordered) > 2 else ", ".join(ordered)
+
+
+def _sharding(state: int, devices: int | None) -> tuple[str, int, str]:
+    if devices is not None and devices > 1:
+        return (
+            f"sharding parameters, gradients and optimizer state over the run's {devices} devices "
+            "(strategy=fsdp_memopt)",
+            state * (devices - 1) // devices,
+            f"{devices - 1}/{devices} of parameters + gradients + optimizer state",
+        )
+    needs = "needs more devices than this run's 1" if devices == 1 else "needs 2 devices or more"
+    return (
+        f"sharding parameters, gradients and optimizer state (strategy=fsdp_memopt; {needs}; the estimate is for 2)",
+        state // 2,
+        "1/2 of parameters + gradients + optimizer state, over 2 devices",
+    )
+
+
+def top_rows(totals: dict[str, int], limit: int = 8) -> list[tuple[str, int]]:
+    """The ``limit`` largest entries of ``totals``, the rest summed in one row (a ViT's 24 blocks stay readable).
+
+    Example::
+
+        >>> top_rows({"a": 5, "b": 3, "c": 2, "d": 1}, limit=2)
+        [('a', 5), ('b', 3), ('2 more', 3)]
+    """
+    ranked = sorted(totals.items(), key=lambda item: -item[1])
+    if len(ranked) <= limit + 1:
+        return ranked
+    rest = ranked[limit:]
+    return [*ranked[:limit], (f"{len(rest)} more", sum(nbytes for _, nbytes in rest))]
+
+
+def format_report(snapshot: MemorySnapshot, title: str, largest: int = 15, devices: int | None = None) -> str:
+    """A plain-text report of ``snapshot``: breakdown, top-level modules and blocks, largest tensors, remedies."""
     lines = [title, "", f"live at the peak: {_gib(snapshot.total_bytes)} (phase: {snapshot.phase})", ""]
     lines.append("by category:")
     lines += [f"  {name:<18}{_gib(nbytes):>14}" for name, nbytes in snapshot.by_category().items()]
     lines += ["", "activations by top-level module:"]
-    lines += [f"  {name:<24}{_gib(nbytes):>14}" for name, nbytes in snapshot.activations_by_module().items()]
+    lines += [f"  {name:<24}{_gib(nbytes):>14}" for name, nbytes in top_rows(snapshot.activations_by_module())]
+    by_block = snapshot.activations_by_block()
+    if by_block:
+        lines += ["", f"activations by block ({len(by_block)} blocks, {_gib(sum(by_block.values())).strip()}):"]
+        lines += [f"  {name:<24}{_gib(nbytes):>14}" for name, nbytes in top_rows(by_block)]
     lines += ["", f"largest {largest} tensors:"]
     for record in snapshot.largest(largest):
-        where = record.module or "<root>"
+        where = record.block or record.module or "<root>"
         lines.append(
             f"  {_gib(record.nbytes):>14}  {record.category:<16} {record.op:<28} {list(record.shape)} "
             f"{str(record.dtype).replace('torch.', '')} in {where}"
         )
     lines += ["", "what to try (first-order estimates of the bytes saved at this peak):"]
-    for remedy, saved, basis in suggestions(snapshot):
+    for remedy, saved, basis in suggestions(snapshot, devices):
         lines.append(f"  - {remedy}: ~{_gib(saved)} ({basis})")
     return "\n".join(lines) + "\n"
 

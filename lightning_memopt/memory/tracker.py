@@ -315,8 +315,11 @@ class MemoryTracker(TorchDispatchMode):
             >>> tracker.active, tracker.peak.by_category()["parameters"]
             (False, 40)
         """
+        from lightning_memopt.models.structure import model_structure  # models build on memory: imported here
+
         tracker = cls(record_timeline=record_timeline)
         tracker.track_training_state(module, optimizers, batch)
+        tracker.track_blocks(module, model_structure(module).block_names)  # the report's blocks, wherever they sit
         tracker.phase = "forward"
         tracker.__enter__()
         return tracker

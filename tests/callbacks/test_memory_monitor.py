@@ -197,7 +197,7 @@ def test_an_oom_writes_a_report_and_a_chart(tmp_path):
     assert report.startswith("out of memory at step 0")
     assert "by category:" in report and "activations by top-level module:" in report
     assert "largest 15 tensors:" in report and "what to try" in report
-    assert "micro-batches of half the batch" in report
+    assert "halve the batch size and accumulate over 2" in report
     assert (tmp_path / "reports" / "oom_timeline.png").stat().st_size > 1000
 
 
