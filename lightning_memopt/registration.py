@@ -19,24 +19,69 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import sys
-import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 _LIGHTNING = "lightning.pytorch"
-_STRATEGIES = "lightning_memopt.strategies"  # registers the names in Lightning's StrategyRegistry on import
+_STRATEGIES = "lightning_memopt.strategies"
+
+# name → (description, the strategy class in lightning_memopt.strategies, its init parameters)
+STRATEGY_NAMES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "ddp_memopt": (
+        "DDP with gradient buckets as views, static graph under activation checkpointing",
+        "MemoptDDPStrategy",
+        {"comm_hook": "none"},
+    ),
+    "ddp_powersgd": (
+        "ddp_memopt + PowerSGD gradient compression (rank 1, error feedback)",
+        "MemoptDDPStrategy",
+        {"comm_hook": "powersgd"},
+    ),
+    "ddp_fp16_compress": ("ddp_memopt + gradients all-reduced in fp16", "MemoptDDPStrategy", {"comm_hook": "fp16"}),
+    "ddp_bf16_compress": ("ddp_memopt + gradients all-reduced in bf16", "MemoptDDPStrategy", {"comm_hook": "bf16"}),
+    "fsdp_memopt": (
+        "FSDP2: a unit per model block, bf16 gathers under bf16-mixed, optional CPU offload",
+        "MemoptFSDPStrategy",
+        {},
+    ),
+}
 
 
-def _register() -> None:
-    try:
-        importlib.import_module(_STRATEGIES)
-    except Exception as error:  # noqa: BLE001 — a failure here must not break the user's `import lightning`
-        warnings.warn(
-            f"lightning_memopt could not register its strategy names with Lightning ({type(error).__name__}: "
-            f"{error}); `import lightning_memopt.strategies` shows the whole error",
-            stacklevel=2,
-        )
+@dataclass(frozen=True)
+class LazyStrategy:
+    """What the registry holds for a name: it builds the strategy when Lightning asks for it, importing
+    :mod:`lightning_memopt.strategies` only then (registering imports none of the package, so no import cycle
+    can stop it, whichever module of the package was being imported when Lightning loaded)."""
+
+    class_name: str
+
+    def resolve(self) -> type:
+        """The strategy class."""
+        return getattr(importlib.import_module(_STRATEGIES), self.class_name)
+
+    def __call__(self, **init_params: Any) -> Any:
+        return self.resolve()(**init_params)
+
+
+def register_strategy_names() -> None:
+    """Put :data:`STRATEGY_NAMES` in Lightning's ``StrategyRegistry`` (imports Lightning, not the strategies)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name, (description, class_name, init_params) in STRATEGY_NAMES.items():
+        StrategyRegistry.register(name, LazyStrategy(class_name), description=description, override=True, **init_params)
+
+
+def registered_class(entry: Any) -> Any:
+    """The class behind a ``StrategyRegistry`` entry's ``"strategy"``: resolved where it is a :class:`LazyStrategy`.
+
+    Example::
+
+        >>> registered_class(LazyStrategy("MemoptFSDPStrategy")).__name__
+        'MemoptFSDPStrategy'
+    """
+    return entry.resolve() if isinstance(entry, LazyStrategy) else entry
 
 
 class _AfterLightningLoads(importlib.abc.MetaPathFinder):
@@ -58,7 +103,7 @@ class _AfterLightningLoads(importlib.abc.MetaPathFinder):
 def _then_register(exec_module: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
     def run_then_register(module: ModuleType) -> None:
         exec_module(module)
-        _register()
+        register_strategy_names()
 
     return run_then_register
 
@@ -66,6 +111,6 @@ def _then_register(exec_module: Callable[[ModuleType], None]) -> Callable[[Modul
 def register_when_lightning_loads() -> None:
     """Register the strategy names now if Lightning is loaded, else as soon as it is (once)."""
     if _LIGHTNING in sys.modules:
-        _register()
+        register_strategy_names()
     elif not any(isinstance(finder, _AfterLightningLoads) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AfterLightningLoads())

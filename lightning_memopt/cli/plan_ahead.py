@@ -95,12 +95,14 @@ def _fsdp_memopt(strategy: Any) -> tuple[bool, bool]:
     ``cpu_offload``."""
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from lightning_memopt.registration import registered_class
     from lightning_memopt.strategies import MemoptFSDPStrategy
 
     if isinstance(strategy, DictConfig) and "_target_" in strategy:
         kind, options = get_class(strategy._target_), strategy
     elif isinstance(strategy, str) and strategy in StrategyRegistry:
-        kind, options = StrategyRegistry[strategy]["strategy"], StrategyRegistry[strategy]["init_params"]
+        entry = StrategyRegistry[strategy]
+        kind, options = registered_class(entry["strategy"]), entry["init_params"]
     else:
         return False, False
     fsdp = isinstance(kind, type) and issubclass(kind, MemoptFSDPStrategy)

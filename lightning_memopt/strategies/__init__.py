@@ -1,8 +1,8 @@
 """Registered strategy names: ``Trainer(strategy="ddp_powersgd")`` once this module is imported.
 
-Importing it registers ``ddp_memopt``, ``ddp_powersgd``, ``ddp_fp16_compress``, ``ddp_bf16_compress`` and
-``fsdp_memopt`` in Lightning's ``StrategyRegistry``; the first use of any public name of
-``lightning_memopt`` imports it too.
+``ddp_memopt``, ``ddp_powersgd``, ``ddp_fp16_compress``, ``ddp_bf16_compress`` and ``fsdp_memopt`` are in
+Lightning's ``StrategyRegistry`` once ``lightning_memopt`` and Lightning are both imported
+(:mod:`lightning_memopt.registration`); importing this module registers them too.
 
 Example::
 
@@ -12,8 +12,7 @@ Example::
     True
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
-
+from lightning_memopt.registration import register_strategy_names
 from lightning_memopt.strategies.comm_hooks import COMM_HOOKS, comm_hook
 from lightning_memopt.strategies.consolidate import consolidate_checkpoint, is_sharded_checkpoint
 from lightning_memopt.strategies.ddp import POWERSGD_KEY, MemoptDDPStrategy
@@ -34,17 +33,4 @@ __all__ = [
     "shard_units",
 ]
 
-_DDP_PRESETS = {
-    "ddp_memopt": ("DDP with gradient buckets as views, static graph under activation checkpointing", "none"),
-    "ddp_powersgd": ("ddp_memopt + PowerSGD gradient compression (rank 1, error feedback)", "powersgd"),
-    "ddp_fp16_compress": ("ddp_memopt + gradients all-reduced in fp16", "fp16"),
-    "ddp_bf16_compress": ("ddp_memopt + gradients all-reduced in bf16", "bf16"),
-}
-for _name, (_description, _hook) in _DDP_PRESETS.items():
-    StrategyRegistry.register(_name, MemoptDDPStrategy, description=_description, override=True, comm_hook=_hook)
-StrategyRegistry.register(
-    "fsdp_memopt",
-    MemoptFSDPStrategy,
-    description="FSDP2: a unit per model block, bf16 gathers under bf16-mixed, optional CPU offload",
-    override=True,
-)
+register_strategy_names()  # the names build these classes (lightning_memopt.registration)
