@@ -209,7 +209,9 @@ def profile_step(
             stack.enter_context(CudaAutocastLists(half))
         if warm_optimizer:
             create_optimizer_state(module, opt)
-        tracker = MemoryTracker(round_to=round_to, workspace=workspace)
+        # on a CPU device a host copy stays in the same memory: offloading activations there frees nothing
+        host_is_device = (device_type or device.type) == "cpu" and not host_parameters
+        tracker = MemoryTracker(round_to=round_to, workspace=workspace, host_is_device=host_is_device)
         if host_parameters:
             tracker.track(module.parameters(), "parameters", op="parameters", host=True)
         tracker.track_module(module)

@@ -79,6 +79,8 @@ class MemoryTracker(TorchDispatchMode):
         workspace: count the library workspaces a CUDA step holds beside its tensors (see
             :mod:`lightning_memopt.memory.workspace`), as ``temporaries`` of op ``cublas workspace``
             (kept) and ``cudnn workspace`` (during each convolution); ``None`` counts tensors only.
+        host_is_device: the step runs on the host (a CPU device): what is offloaded to the host stays in
+            the same memory, so it counts in ``live_bytes`` like any storage (``host_bytes`` stays 0).
 
     Example::
 
@@ -92,13 +94,18 @@ class MemoryTracker(TorchDispatchMode):
     """
 
     def __init__(
-        self, round_to: int = 1, record_timeline: bool = False, workspace: LibraryWorkspace | None = None
+        self,
+        round_to: int = 1,
+        record_timeline: bool = False,
+        workspace: LibraryWorkspace | None = None,
+        host_is_device: bool = False,
     ) -> None:
         super().__init__()
         if round_to < 1:
             raise ValueError(f"`round_to`={round_to!r} must be at least 1")
         self.round_to = round_to
         self.workspace = workspace
+        self.host_is_device = host_is_device
         self._cublas_phases: set[str] = set()  # the phases whose thread has its cuBLAS workspace
         self.phase = "setup"
         self.live_bytes = 0
@@ -127,7 +134,7 @@ class MemoryTracker(TorchDispatchMode):
         added = False
         for storage, local in storages(tensor):
             key = id(storage)
-            if host or allocating_on_host():
+            if (host or allocating_on_host()) and not self.host_is_device:
                 added |= self._add_host(
                     storage, key, StorageRecord(0, category, "", op, tuple(local.shape), local.dtype)
                 )
