@@ -1,7 +1,11 @@
 """Activation peak and step time with each checkpointing policy, for r100, sapiens_0.3b and cotracker3.
 
     python benchmarks/activation_checkpointing.py [--only r100,cotracker3] [--rounds 2]
+                                                  [--policies offload,budget=0.5]
                                                   [--csv benchmarks/activation_checkpointing.csv]
+
+``--policies`` measures those rows again (beside ``none``, the baseline of the ratios) and keeps the CSV's
+other rows as they were.
 
 Bytes: one fp32 forward + backward counted by the project's MemoryTracker under FakeTensorMode
 (nothing allocated; the same ops as a real step, so the same bytes). The activation peak is the
@@ -154,9 +158,12 @@ def step_times(case: Case, policies: dict[str, Any], rounds: int) -> dict[str, f
     return {name: min(values) for name, values in times.items()}
 
 
-def measure(key: str, rounds: int) -> list[dict]:
+def measure(key: str, rounds: int, wanted: list[str] | None = None) -> list[dict]:
+    """The rows of ``key``: every policy, or ``none`` and ``wanted``."""
     case = CASES[key]
     policies, chosen = policies_of(case)
+    if wanted is not None:
+        policies = {name: policy for name, policy in policies.items() if name == "none" or name in wanted}
     peaks = {name: activation_peak(case, policy) for name, policy in policies.items()}
     times = step_times(case, policies, rounds) if rounds else {}
     baseline_bytes = peaks["none"][0]
@@ -212,22 +219,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     parser.add_argument("--rounds", type=int, default=2, help="timed steps per policy (0: bytes only)")
+    every = [*POLICIES, f"budget={KNAPSACK_BUDGET}"]
+    parser.add_argument("--policies", help=f"comma-separated subset of {', '.join(every)}: only those rows again")
     parser.add_argument("--csv", type=Path, default=Path(__file__).with_name("activation_checkpointing.csv"))
     args = parser.parse_args()
     keys = args.only.split(",")
     unknown = sorted(set(keys) - set(CASES))
     if unknown:
         parser.error(f"unknown --only entries {unknown}; valid choices: {', '.join(CASES)}")
+    wanted = args.policies.split(",") if args.policies else None
+    if wanted is not None and sorted(set(wanted) - set(every)):
+        parser.error(
+            f"unknown --policies entries {sorted(set(wanted) - set(every))}; valid choices: {', '.join(every)}"
+        )
     rows = []
     print(f"{'model':<44}{'policy':<11}{'act. peak MiB':>14}{'reduction':>10}{'offloaded MiB':>14}{'time ×':>8}")
     for key in keys:
-        for row in measure(key, args.rounds):
+        for row in measure(key, args.rounds, wanted):
             rows.append(row)
             print(
                 f"{row['model']:<44}{row['policy']:<11}{row['activation_peak_mib']:>14.1f}{row['reduction']:>9.2f}×"
                 f"{row['offloaded_mib']:>14.1f}{row['step_time_ratio']:>8.2f}  {row['note']}",
                 flush=True,
             )
+    if wanted is not None:  # the CSV's other rows stay: each measured row takes its old one's place
+        fresh = {(row["model"], row["policy"]): row for row in rows if row["policy"] in wanted}
+        rows = [fresh.get((row["model"], row["policy"]), row) for row in read_rows(args.csv)]
     write_csv(args.csv, rows)
 
 

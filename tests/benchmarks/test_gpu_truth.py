@@ -23,19 +23,19 @@ SIBLINGS = {
 truth_device, truth_memory, truth_recovery, truth_rows, truth_seeds = (
     SIBLINGS[name] for name in ("truth_device", "truth_memory", "truth_recovery", "truth_rows", "truth_seeds")
 )
-SECTIONS = [
+SECTIONS = [  # in the order they run: the timings first
     "device",
-    "prediction",
-    "reference batch",
-    "smallest device",
-    "calibration",
-    "allocator",
-    "planner",
     "step time",
     "monitor",
     "oom recovery",
     "overflow",
+    "prediction",
+    "reference batch",
+    "smallest device",
+    "calibration",
     "seeds",
+    "allocator",
+    "planner",
     "cuda tests",
 ]
 

@@ -195,7 +195,7 @@ def _ddp_ranks(tmp_path, budget_mib):
 
 @pytest.mark.slow
 def test_under_ddp_rank_0_plans_and_every_rank_applies_its_plan(tmp_path):
-    rank0, rank1 = _ddp_ranks(tmp_path, 9.0)
+    rank0, rank1 = _ddp_ranks(tmp_path, 7.5)  # bf16 alone does not fit: the plan checkpoints
     assert rank0["planned_here"] and not rank1["planned_here"]
     assert rank0["knobs"] == rank1["knobs"] and rank0["knobs"]["checkpoint"] != "none"
     assert rank0["applied"] == rank1["applied"]
