@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -105,7 +106,8 @@ def lightning_optimizer(module: Any) -> torch.optim.Optimizer:
         "enable_checkpointing": False,
         "enable_model_summary": False,
     }
-    attach_trainer(module, Trainer(accelerator="cpu", max_epochs=-1, max_steps=1000, **quiet))
+    with silent_lightning():  # a plan builds one per profile: its "GPU available", tips, … would repeat each time
+        attach_trainer(module, Trainer(accelerator="cpu", max_epochs=-1, max_steps=1000, **quiet))
     try:
         config = module.configure_optimizers()
     finally:
@@ -129,6 +131,27 @@ def tensors(batch: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     tree_map(lambda t: found.append(t) if isinstance(t, torch.Tensor) else None, batch)
     return found
+
+
+@contextlib.contextmanager
+def silent_lightning() -> Iterator[None]:
+    """Lightning's informational lines and warnings off while the block runs (a Trainer built for a profile).
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> with silent_lightning():
+        ...     trainer = Trainer(accelerator="cpu", logger=False)  # prints nothing
+    """
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    level = lightning_logger.level
+    lightning_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        lightning_logger.setLevel(level)
 
 
 @contextlib.contextmanager
