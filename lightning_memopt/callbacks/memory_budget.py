@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
-from lightning_memopt.arguments import check_int, check_optional_float
+from lightning_memopt.arguments import check_bool, check_int, check_optional_float
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
 from lightning_memopt.callbacks.composite import CallbackGroup
@@ -76,6 +76,7 @@ class MemoryBudget(CallbackGroup):
         verify: the most candidates per group profiled to confirm an estimate.
         blocks: the modules checkpointing acts on: ``"auto"`` (declared, else discovered; ``"preset"``
             is the same), or module classes, dotted paths and name globs where discovery picks the wrong ones.
+        verbose: log every candidate weighed, not only the short report (the Pareto front, at most 10 rows).
 
     Raises:
         MisconfigurationException: bad arguments (in ``__init__``); in ``setup``: a strategy other
@@ -100,6 +101,7 @@ class MemoryBudget(CallbackGroup):
         sample_batch: Any = None,
         verify: int = 3,
         blocks: BlocksSpec = "auto",
+        verbose: bool = False,
     ) -> None:
         try:
             check_blocks(blocks)  # whether they match the model is checked in setup
@@ -110,6 +112,7 @@ class MemoryBudget(CallbackGroup):
             self.budget = check_optional_float("budget", budget, minimum=0, open_minimum=True)
             self.safety_margin = check_safety_margin(safety_margin)
             self.verify = check_int("verify", verify, minimum=0)
+            self.verbose = check_bool("verbose", verbose)
         except (TypeError, ValueError) as error:
             raise MisconfigurationException(f"MemoryBudget: {error}") from None
         super().__init__()
@@ -225,7 +228,9 @@ class MemoryBudget(CallbackGroup):
         try:
             hardware = hardware_for(target.device, self.hardware_name, self.budget)
             options = {"safety_margin": self.safety_margin, "verify": self.verify, "blocks": self.blocks}
-            self.plan, knobs, failure = plan_for_target(pl_module, batch(), hardware, target, **options)
+            self.plan, knobs, failure = plan_for_target(
+                pl_module, batch(), hardware, target, verbose=self.verbose, **options
+            )
         except Exception as error:  # noqa: BLE001 (told to every rank, re-raised there as the cause)
             return PlanOutcome.failed(target, error)
         return PlanOutcome(target, None if knobs is None else knobs.as_dict(), failure)

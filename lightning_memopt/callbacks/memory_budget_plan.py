@@ -104,10 +104,10 @@ def hardware_for(device: torch.device, name: str | None, budget: float | None) -
 
 
 def plan_for_target(
-    module: LightningModule, batch: Any, hardware: Hardware, target: PlanTarget, **options: Any
+    module: LightningModule, batch: Any, hardware: Hardware, target: PlanTarget, verbose: bool = False, **options: Any
 ) -> tuple[Plan | None, Knobs | None, str]:
     """Plan ``module`` on ``batch`` for ``target``: the plan (``None``: none could be made), its knobs (``None``:
-    nothing fits) and why not. Logs the candidates table (call it on rank 0).
+    nothing fits) and why not. Logs the plan's report, every candidate if ``verbose`` (call it on rank 0).
 
     Under ``fsdp_memopt`` the plan shards over every rank, with or without CPU offload; elsewhere it
     is unsharded, and when nothing fits so, the reason names the ``fsdp_memopt`` command whose plan
@@ -135,16 +135,26 @@ def plan_for_target(
                 precisions=precisions, **options,
             )  # fmt: skip
         except PlanError as error:  # the model states alone do not fit unsharded
-            return None, None, _needs_fsdp(module, batch, hardware, target, str(error), options)
-    rank_zero_info(f"MemoryBudget:\n{result.table()}")
+            return None, None, _needs_fsdp(module, batch, hardware, target, str(error), options, verbose)
+    rank_zero_info(f"MemoryBudget:\n{result.table(verbose)}")
     if result.chosen is not None:
         return result, result.chosen.knobs, ""
     failure = _nothing_fits(result)
-    return result, None, failure if target.fsdp else _needs_fsdp(module, batch, hardware, target, failure, options)
+    return (
+        result,
+        None,
+        failure if target.fsdp else _needs_fsdp(module, batch, hardware, target, failure, options, verbose),
+    )
 
 
 def _needs_fsdp(
-    module: LightningModule, batch: Any, hardware: Hardware, target: PlanTarget, failure: str, options: dict[str, Any]
+    module: LightningModule,
+    batch: Any,
+    hardware: Hardware,
+    target: PlanTarget,
+    failure: str,
+    options: dict[str, Any],
+    verbose: bool = False,
 ) -> str:
     """Nothing fits unsharded: ``failure``, or the fsdp_memopt command when sharding over the ranks or CPU offload
     would fit."""
@@ -154,7 +164,7 @@ def _needs_fsdp(
         return failure
     if result.chosen is None:
         return failure
-    rank_zero_info(f"MemoryBudget, sharded or offloaded:\n{result.table()}")
+    rank_zero_info(f"MemoryBudget, sharded or offloaded:\n{result.table(verbose)}")
     knobs = result.chosen.knobs
     return (
         f"{failure}\nonly a plan with fsdp_memopt fits: {knobs.describe()} (peak "

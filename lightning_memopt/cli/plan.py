@@ -77,7 +77,7 @@ def _plan_app(cfg: DictConfig) -> float:
 
     with input_errors("memopt-plan", building=True):
         result, overrides = plan_config(cfg, list(HydraConfig.get().overrides.task))
-    print(result.table(), flush=True)
+    print(result.table(verbose=bool(cfg.plan.get("verbose", False))), flush=True)
     if cfg.plan.png:
         result.write_chart(cfg.plan.png)
         print(f"wrote {cfg.plan.png}", flush=True)

@@ -33,11 +33,14 @@ class ResultChangingOption:
 
 @dataclass(frozen=True)
 class MeasuredOption:
-    """An option with its predicted peak and what it saves against the same knobs without it."""
+    """An option with its predicted peak and what it saves against the same knobs without it (``against``: those
+    knobs, described; ``reference_bytes``: their peak without the option)."""
 
     option: ResultChangingOption
     peak_bytes: int
     saving_bytes: int
+    against: str = ""
+    reference_bytes: int = 0
 
 
 def measure_options(
@@ -55,5 +58,5 @@ def measure_options(
     measured = []
     for option in options:
         peak = profile(knobs, model=option.model, batch=option.batch).peak_bytes
-        measured.append(MeasuredOption(option, peak, reference - peak))
+        measured.append(MeasuredOption(option, peak, reference - peak, knobs.describe(), reference))
     return measured

@@ -15,6 +15,7 @@ from lightning_memopt.planner.options import MeasuredOption
 from lightning_memopt.vocabulary import GIB, MIB
 
 _SHOWN = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
+FRONT_ROWS = 10  # the short report's most candidate rows
 
 
 class PlanError(ValueError):
@@ -65,8 +66,11 @@ class Plan:
     def fits(self) -> bool:
         return self.chosen is not None
 
-    def table(self) -> str:
-        """Every candidate (peak, breakdown, step time, fits), what was skipped, the choice and the options."""
+    def table(self, verbose: bool = False) -> str:
+        """The report: the device and budget, the chosen plan with its breakdown, the Pareto front of step time and
+        peak (at most :data:`FRONT_ROWS` rows, one per label, the faster ones that lost saying by how much they do
+        not fit), the notes and the result-changing options; ``verbose``: every candidate weighed instead of the
+        front."""
         unit, scale = ("GiB", GIB) if self.hardware.memory_bytes >= GIB else ("MiB", MIB)
         on_host = any(candidate.host_bytes for candidate in self.candidates)
         header = f"{'':2}{'candidate':<44}{'peak ' + unit:>9}" + "".join(f"{_short(k):>8}" for k in _SHOWN)
@@ -75,23 +79,18 @@ class Plan:
         lines = [
             f"device {self.hardware.name}: {self.hardware.memory_bytes / scale:.2f} {unit}, plan within "
             f"{self.limit_bytes / scale:.2f} {unit} (safety margin {self.safety_margin:.0%}); "
-            f"{self.profiles} fake-mode profiles",
+            f"{len(self.candidates)} candidates from {self.profiles} fake-mode profiles",
             header,
         ]
-        for candidate in sorted(self.candidates, key=lambda c: (c.cost.total, c.peak_bytes)):
-            mark = "→" if candidate is self.chosen else ""
-            breakdown = "".join(f"{candidate.breakdown.get(k, 0) / scale:>8.2f}" for k in _SHOWN)
-            breakdown += f"{candidate.host_bytes / scale:>8.2f}" if on_host else ""
-            how = candidate.how
-            if candidate.estimated_bytes is not None:
-                how += f" (estimated {candidate.estimated_bytes / scale:.2f})"
-            lines.append(
-                f"{mark:<2}{candidate.knobs.describe():<44}{candidate.peak_bytes / scale:>9.2f}{breakdown}"
-                f"{candidate.cost.total:>10.4f}  {'yes' if candidate.fits else 'no':<5}{how}"
-            )
-        for knobs, bound in self.skipped:
-            bound_text = f"not profiled: cannot beat the choice (≥ {bound:.4f} s)"
-            lines.append(f"  {knobs.describe():<44}{'—':>9}  {bound_text}")
+        shown = self.candidates if verbose else self.front()
+        for candidate in sorted(shown, key=lambda c: (c.cost.total, c.peak_bytes)):
+            lines.append(self._row(candidate, scale, on_host, verbose))
+        if verbose:
+            for knobs, bound in self.skipped:
+                bound_text = f"not profiled: cannot beat the choice (≥ {bound:.4f} s)"
+                lines.append(f"  {knobs.describe():<44}{'—':>9}  {bound_text}")
+        elif self.skipped:
+            lines.append(f"  {len(self.skipped)} more not profiled: their least step time cannot beat the choice")
         for knobs, reason in self.rejected:
             lines.append(f"  {knobs.describe():<44}{'—':>9}  left out: {reason}")
         lines += self.notes
@@ -100,25 +99,71 @@ class Plan:
                 f"host: host memory ({unit}) at its peak: offloaded activations; with CPU offload the parameter "
                 "shards, gradients and optimizer state"
             )
-        if self.chosen is None:
-            lines.append("no configuration that keeps the result fits")
-        else:
-            host = self.chosen.host_bytes
-            lines.append(
-                f"chosen: {self.chosen.knobs.describe()}: peak {self.chosen.peak_bytes / scale:.2f} {unit} "
-                f"({self.chosen.how})"
-                + (f", {host / scale:.2f} {unit} of host memory" if host else "")
-                + f", about {self.chosen.cost.total:.4f} s per step{_cost_parts(self.chosen)}"
-            )
+        lines += self._chosen_lines(scale, unit)
         if self.options:
-            lines.append("options that change the result (measured with the chosen knobs):")
+            first = self.options[0]
+            lines.append(
+                f"options that change the result (each measured against {first.against}: peak "
+                f"{first.reference_bytes / scale:.2f} {unit}):"
+            )
             for measured in self.options:
                 option = measured.option
                 lines.append(
                     f"  - {option.name}: peak {measured.peak_bytes / scale:.2f} {unit}, saves "
                     f"{measured.saving_bytes / scale:.2f} {unit}; {option.caveat}  [{' '.join(option.overrides)}]"
                 )
+        if not verbose and len(shown) < len(self.candidates):
+            lines.append(f"({len(self.candidates) - len(shown)} more candidates: plan.verbose=true lists every one)")
         return "\n".join(lines)
+
+    def front(self) -> list[Candidate]:
+        """The Pareto front of step time and peak, one candidate per label (the fastest), at most
+        :data:`FRONT_ROWS`: the chosen one, the faster ones nearest it (they do not fit), then the slower ones
+        that need less memory."""
+        by_label: dict[str, Candidate] = {}
+        for candidate in sorted(self.candidates, key=lambda c: (c.cost.total, c.peak_bytes)):
+            by_label.setdefault(candidate.knobs.describe(), candidate)
+        distinct = list(by_label.values())
+        front = [
+            c
+            for c in distinct
+            if c is self.chosen
+            or not any(
+                o.cost.total <= c.cost.total and o.peak_bytes <= c.peak_bytes and o is not c and o.fits >= c.fits
+                for o in distinct
+            )
+        ]
+        front.sort(key=lambda c: (c.cost.total, c.peak_bytes))
+        if self.chosen is None or self.chosen not in front:
+            return front[:FRONT_ROWS]
+        at = front.index(self.chosen)
+        faster = front[max(0, at - FRONT_ROWS // 2) : at]
+        return [*faster, *front[at : at + FRONT_ROWS - len(faster)]]
+
+    def _row(self, candidate: Candidate, scale: int, on_host: bool, verbose: bool) -> str:
+        mark = "→" if candidate is self.chosen else ""
+        breakdown = "".join(f"{candidate.breakdown.get(k, 0) / scale:>8.2f}" for k in _SHOWN)
+        breakdown += f"{candidate.host_bytes / scale:>8.2f}" if on_host else ""
+        how = candidate.how
+        if candidate.estimated_bytes is not None:
+            how += f" (estimated {candidate.estimated_bytes / scale:.2f})"
+        if not candidate.fits and not verbose:
+            how += f"; over the budget by {(candidate.peak_bytes - self.limit_bytes) / scale:.2f}"
+        return (
+            f"{mark:<2}{candidate.knobs.describe():<44}{candidate.peak_bytes / scale:>9.2f}{breakdown}"
+            f"{candidate.cost.total:>10.4f}  {'yes' if candidate.fits else 'no':<5}{how}"
+        )
+
+    def _chosen_lines(self, scale: int, unit: str) -> list[str]:
+        if self.chosen is None:
+            return ["no configuration that keeps the result fits"]
+        host = self.chosen.host_bytes
+        return [
+            f"chosen: {self.chosen.knobs.describe()}: peak {self.chosen.peak_bytes / scale:.2f} {unit} "
+            f"({self.chosen.how})"
+            + (f", {host / scale:.2f} {unit} of host memory" if host else "")
+            + f", about {self.chosen.cost.total:.4f} s per step{_cost_parts(self.chosen)}"
+        ]
 
     def write_chart(self, path: str | Path) -> None:
         """Stacked memory bars per candidate against the budget line (PNG; needs matplotlib)."""
