@@ -67,11 +67,12 @@ def _train(group: str, *args: str, expect: tuple[str, ...], base: list[str] = TI
 CASES = [
     # Hydra groups: an option that does not exist lists the ones that do
     *(
-        _train(group, f"{group}=nope", expect=(f"'{group}/nope'", "Available options"))
+        _train(group, f"{group}=nope", expect=(f"`{group}=nope`: no such option of `{group}`; valid choices: ",))
         for group in ("model", "data", "trainer", "strategy", "precision", "memopt", "logger", "experiment", "debug")
     ),
-    _train("sweep", "sweep=nope", expect=("'sweep/nope'",)),
-    _train("trainer", "trainer.max_stepz=3", expect=("trainer.max_stepz",)),
+    _train("sweep", "sweep=nope", expect=("`sweep=nope`: no such option of `sweep`; valid choices: ",)),
+    _train("trainer", "trainer.max_stepz=3", expect=("`trainer.max_stepz`", "did you mean `trainer.max_steps`")),
+    _train("memopt", "memopt=[monitor,checkpoint]", expect=("`memopt=checkpoint`", "valid choices: ", "checkpointing")),
     _train("trainer", "trainer.max_steps=abc", expect=("max_steps", "abc")),
     _train("trainer", "trainer.precision=fp8", expect=("precision", "fp8")),
     _train("trainer", "trainer.accelerator=tpu", expect=("torch_xla",)),
@@ -223,7 +224,7 @@ CASES = [
     Case("plan", "memopt-plan", ("model=r18", "budget=abc"), ("budget", "'abc'")),
     Case("plan", "memopt-plan", ("model=r18", "devices=0"), ("devices", "0")),
     Case("plan", "memopt-plan", ("model=r18", "safety_margin=2"), ("safety_margin", "2")),
-    Case("plan", "memopt-plan", ("model=nope",), ("'model/nope'",)),
+    Case("plan", "memopt-plan", ("model=nope",), ("`model=nope`: no such option of `model`; valid choices: ",)),
     Case("plan", "memopt-plan", ("model=r18", "plan.verify=abc"), ("verify", "abc")),
     # memopt-profile
     Case("profile", "memopt-profile", ("model=iresnet_tiny", "profile.mode=nope"), ("mode", "nope")),

@@ -8,6 +8,7 @@ so checkpoints load either way and DDP or FSDP may wrap the model before or afte
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memopt.checkpointing.offload import offload_to_host
-from lightning_memopt.checkpointing.policy import ActivationBudget, Policy, PolicySpec, parse_policy
+from lightning_memopt.checkpointing.policy import KEYWORDS, ActivationBudget, Policy, PolicySpec, parse_policy
 from lightning_memopt.checkpointing.recompute import reaches_one_input, recompute_in_backward
 from lightning_memopt.checkpointing.recompute_state import RecomputeState, cuda_devices
 from lightning_memopt.checkpointing.selective import selective_context
@@ -214,7 +215,10 @@ def _wrap(module: nn.Module, mode: str) -> None:
 
 def _nothing_found(rule: Policy, model: nn.Module) -> str:
     if rule.modules is not None:
-        return describe_model(model)
+        words = [m for m in rule.modules if isinstance(m, str) and "." not in m and "*" not in m]
+        near = [found for word in words for found in difflib.get_close_matches(word, list(KEYWORDS), n=1)]
+        keyword = f"did you mean the policy {near[0]!r}? " if near else ""
+        return f"{keyword}{describe_model(model)}; policy names: {', '.join(KEYWORDS)}"
     children = ", ".join(f"{name} ({type(child).__name__})" for name, child in model.named_children()) or "(none)"
     return (
         "no module declares its blocks (a `memory_structure()` method) and no repeated blocks were found (two or "

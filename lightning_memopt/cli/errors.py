@@ -139,16 +139,24 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text} (--debug shows where)"
 
 
-def run_hydra_app(app: str, hydra_main: Callable[[], Any]) -> None:
+def run_hydra_app(app: str, hydra_main: Callable[[], Any], config_name: str | None = None) -> None:
     """Run a ``@hydra.main`` function as ``app``'s entry point with the exit statuses above.
 
-    Takes ``--debug`` off the command line (setting ``HYDRA_FULL_ERROR=1``). Hydra ends a config it
-    cannot compose (an unknown group option or key, a bad override) with its message and status 1
-    before the task starts; that is a bad input, so it becomes status 2.
+    Takes ``--debug`` off the command line (setting ``HYDRA_FULL_ERROR=1``). A command line that
+    ``config_name`` cannot be composed from (an unknown group option or key, a bad override) ends in one line
+    naming the key, the value and the valid choices, status 2
+    (:func:`~lightning_memopt.cli.override_errors.config_error`); what Hydra still refuses before the task
+    starts ends with its own message, status 2 too.
     """
     if "--debug" in sys.argv[1:]:
         sys.argv = [sys.argv[0], *(arg for arg in sys.argv[1:] if arg != "--debug")]
         os.environ["HYDRA_FULL_ERROR"] = "1"
+    if config_name is not None and not debugging():
+        from lightning_memopt.cli.override_errors import config_error
+
+        error = config_error(config_name, sys.argv[1:])
+        if error is not None:
+            fail(app, error)
     started = _tasks_started
     try:
         hydra_main()

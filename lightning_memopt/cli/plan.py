@@ -90,7 +90,7 @@ def _plan_app(cfg: DictConfig) -> float:
 def main() -> None:
     """``memopt-plan``: exit status 0 with a plan, 2 when nothing fits or for a bad input (one line, no traceback),
     1 for an unexpected error (see :mod:`lightning_memopt.cli.errors`)."""
-    run_hydra_app("memopt-plan", _plan_app)
+    run_hydra_app("memopt-plan", _plan_app, config_name="plan")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def _profile_app(cfg: DictConfig) -> float:
 
 def main() -> None:
     """``memopt-profile``: exit status 0, 2 for a bad input (one line, no traceback), 1 for an unexpected error."""
-    run_hydra_app("memopt-profile", _profile_app)
+    run_hydra_app("memopt-profile", _profile_app, config_name="profile")
 
 
 if __name__ == "__main__":

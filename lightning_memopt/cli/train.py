@@ -256,7 +256,7 @@ def _train_app(cfg: DictConfig) -> float | None:
 def main() -> None:
     """``memopt-train``: exit status 0 when done, 2 for a bad input (one line, no traceback; ``--debug`` shows
     it), 130 when stopped with Ctrl-C, 1 for an unexpected error (see :mod:`lightning_memopt.cli.errors`)."""
-    run_hydra_app("memopt-train", _train_app)
+    run_hydra_app("memopt-train", _train_app, config_name="train")
 
 
 if __name__ == "__main__":

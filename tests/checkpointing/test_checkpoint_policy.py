@@ -127,6 +127,14 @@ def test_a_policy_that_matches_nothing_lists_what_is_there():
     assert "top-level children: 0, 1" in message
 
 
+def test_a_misspelt_policy_name_is_named_with_the_policy_names():
+    with pytest.raises(ValueError) as caught:
+        apply_activation_checkpointing(nn.Sequential(nn.Linear(2, 2)), "selectve")
+    message = str(caught.value)
+    assert "did you mean the policy 'selective'?" in message
+    assert message.endswith("policy names: auto, preset, selective, offload, every_n")
+
+
 @pytest.mark.parametrize("policy", ["auto", "preset", "selective", "every_n"])
 def test_auto_on_a_model_with_nothing_repeated_says_how_to_name_the_blocks(policy):
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
