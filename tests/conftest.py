@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from omegaconf import DictConfig
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from lightning_memopt.cli.config import config_dir
+from lightning_memopt.planner.calibration import CACHE_VARIABLE
 
 
 @pytest.fixture
@@ -22,6 +24,11 @@ def compose_train(tmp_path):
             return compose("train", overrides=[f"paths.output_dir={tmp_path}", *overrides])
 
     return compose_
+
+
+def pytest_configure(config):
+    """The CPU's measured rates (``measure_cpu``) cached for this run only: never a developer's stale file."""
+    os.environ.setdefault(CACHE_VARIABLE, tempfile.mkdtemp(prefix="memopt_rates_"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,12 +3,22 @@
 Off CUDA (a :class:`~lightning_memopt.memory.SimulatedDevice`, ``MemoryBudget`` on the CPU) the
 rates are measured: fp32 and bf16 matmuls, a large copy, and the host's time per kernel and what
 checkpointing adds in each mode (:func:`~lightning_memopt.planner.host.measure_host`).
+
+They are measured once per machine (its processor, its threads, torch's version) and kept in
+``$LIGHTNING_MEMOPT_CACHE/cpu_rates.json`` (default ``~/.cache/lightning_memopt``): rates timed again on
+every plan moved with the machine's load, so the same candidate was priced at 3.91 s and at 0.29 s.
+``measure_cpu(refresh=True)`` times them again.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -17,17 +27,73 @@ from lightning_memopt.planner.host import measure_host
 from lightning_memopt.private_api import disable_current_modes
 from lightning_memopt.vocabulary import GB, MIB
 
+CACHE_VARIABLE = "LIGHTNING_MEMOPT_CACHE"  # the folder of cpu_rates.json; default ~/.cache/lightning_memopt
+_MEASURED: dict[str, Hardware] = {}  # this process's: the file is read once
 
-def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5) -> Hardware:
+
+def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5, refresh: bool = False) -> Hardware:
     """This CPU's rates, timed: fp32 and bf16 matmuls, a large copy, and a small training step — its
-    host time per kernel and what checkpointing one of its blocks adds in each mode.
+    host time per kernel and what checkpointing one of its blocks adds in each mode. Timed once per machine
+    and cached (module docstring); ``refresh`` times them again.
 
     ``memory_bytes`` is the budget (a :class:`~lightning_memopt.memory.SimulatedDevice`'s); the
     host link, the peer link and the host's memory bandwidth are a copy in memory. Its tensors are the
     host's own: a tracker, fake mode or ``SimulatedDevice`` around the call sees none of them.
+
+    Example::
+
+        >>> measure_cpu(2**30).memory_bytes, measure_cpu(0).full_tflops == measure_cpu(0).full_tflops
+        (1073741824, True)
     """
-    with disable_current_modes():
-        return _timed_rates(memory_bytes, size, repeats)
+    key = machine_key()
+    hardware = None if refresh else _MEASURED.get(key) or _read_cache(key)
+    if hardware is None:
+        with disable_current_modes():
+            hardware = _timed_rates(0, size, repeats)
+        _write_cache(key, hardware)
+    _MEASURED[key] = hardware
+    return dataclasses.replace(hardware, memory_bytes=memory_bytes)
+
+
+def machine_key() -> str:
+    """What the cached rates belong to: the processor, torch's threads and version."""
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [
+            line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")
+        ]
+        model = names[0] if names else model
+    return f"{model}; {torch.get_num_threads()} threads; torch {torch.__version__}"
+
+
+def cache_path() -> Path:
+    """Where the measured rates are kept."""
+    folder = os.environ.get(CACHE_VARIABLE) or Path.home() / ".cache" / "lightning_memopt"
+    return Path(folder) / "cpu_rates.json"
+
+
+def _read_cache(key: str) -> Hardware | None:
+    try:
+        fields = json.loads(cache_path().read_text())[key]
+        regions = {mode: tuple(seconds) for mode, seconds in fields.pop("region_seconds").items()}
+        return Hardware(**fields, region_seconds=regions)
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, unreadable, or of another version: time again
+        return None
+
+
+def _write_cache(key: str, hardware: Hardware) -> None:
+    path = cache_path()
+    try:
+        known = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        known = {}
+    known[key] = dataclasses.asdict(hardware)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known, indent=1, sort_keys=True))
+    except OSError:  # a read-only home: the rates stay this process's
+        pass
 
 
 def _timed_rates(memory_bytes: int, size: int, repeats: int) -> Hardware:
