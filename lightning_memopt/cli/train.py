@@ -246,11 +246,24 @@ def _train_app(cfg: DictConfig) -> float | None:
         run = build_run(cfg)
     with input_errors("memopt-train"):
         try:
-            fit(run)
-            return job_result(run)
+            summary = fit(run)
+            value = job_result(run)
+            _keep_job_summary(run, summary, value)
+            return value
         except KeyboardInterrupt:
             print("memopt-train: stopped by Ctrl-C", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+def _keep_job_summary(run: Run, summary: FitSummary, value: float | None) -> None:
+    """In a multirun, rank 0 writes the job's figures for the table the sweep ends with (``MultirunTable``)."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN or run.trainer.global_rank != 0:
+        return
+    from lightning_memopt.cli.multirun_table import write_job_summary
+
+    objective = run.objective.describe(value) if run.objective is not None and value is not None else ""
+    hydra = HydraConfig.get()
+    write_job_summary(hydra.runtime.output_dir, list(hydra.overrides.task), summary, objective)
 
 
 def main() -> None:
