@@ -134,6 +134,18 @@ def tensors(batch: Any) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
+def quiet_logger(name: str, level: int = logging.WARNING) -> Iterator[None]:
+    """The logger ``name`` (and its children) says only ``level`` and above while the block runs."""
+    logger = logging.getLogger(name)
+    previous = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+@contextlib.contextmanager
 def silent_lightning() -> Iterator[None]:
     """Lightning's informational lines and warnings off while the block runs (a Trainer built for a profile).
 
@@ -143,15 +155,9 @@ def silent_lightning() -> Iterator[None]:
         >>> with silent_lightning():
         ...     trainer = Trainer(accelerator="cpu", logger=False)  # prints nothing
     """
-    lightning_logger = logging.getLogger("lightning.pytorch")
-    level = lightning_logger.level
-    lightning_logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        lightning_logger.setLevel(level)
+    with quiet_logger("lightning.pytorch", logging.ERROR), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 @contextlib.contextmanager

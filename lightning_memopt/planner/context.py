@@ -17,6 +17,7 @@ from torch import nn
 from lightning_memopt.accumulation.split import batch_size, slice_batch
 from lightning_memopt.checkpointing import LeanRecompute, apply_activation_checkpointing
 from lightning_memopt.memory.profile import LossFn, MemoryProfile, OptimizerSource, profile_step
+from lightning_memopt.memory.step_parts import quiet_logger
 from lightning_memopt.models.structure import set_attention
 from lightning_memopt.planner.cost import step_cost
 from lightning_memopt.planner.estimate import StepEstimate
@@ -69,7 +70,8 @@ class SearchContext:
             set_attention(model, knobs.attn_impl)
             policy = knobs.checkpoint_policy(self.block_spec)
             if policy is not None:
-                apply_activation_checkpointing(model, policy)
+                with quiet_logger("lightning_memopt.checkpointing"):  # "wrapped N modules", once per profile
+                    apply_activation_checkpointing(model, policy)
 
         if self.progress is not None:
             self.progress.set_postfix_str(knobs.describe())
