@@ -13,9 +13,21 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 from PIL import Image
+from torch import nn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO_ROOT / "benchmarks"
+
+
+class ResidualMLP(nn.Module):
+    """A block of a transformer's shape without its attention: x + down(relu(up(x))), 4× wide inside."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(self.up(x).relu())
 
 
 def load_benchmark(name: str):

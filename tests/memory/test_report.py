@@ -9,15 +9,7 @@ from torch import nn
 from lightning_memopt.memory import profile_step
 from lightning_memopt.memory.report import format_report, suggestions
 from lightning_memopt.memory.tracker import MemoryTracker
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
-
-    def forward(self, x):
-        return x + self.down(self.up(x).relu())
+from tests.helpers import ResidualMLP
 
 
 class ViTLike(nn.Module):
@@ -26,7 +18,7 @@ class ViTLike(nn.Module):
     def __init__(self, depth: int = 12) -> None:
         super().__init__()
         self.embed = nn.Linear(16, 64)
-        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.blocks = nn.ModuleList(ResidualMLP() for _ in range(depth))
         self.head = nn.Linear(64, 1)
 
     def forward(self, x):

@@ -7,20 +7,12 @@ from torch import nn
 
 from lightning_memopt.planner import ResultChangingOption, measure_cpu, plan, with_budget
 from lightning_memopt.planner.report import FRONT_ROWS
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
-
-    def forward(self, x):
-        return x + self.down(self.up(x).relu())
+from tests.helpers import ResidualMLP
 
 
 def _build(depth: int = 6) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), *(Block() for _ in range(depth)), nn.Linear(64, 1))
+    return nn.Sequential(nn.Linear(16, 64), *(ResidualMLP() for _ in range(depth)), nn.Linear(64, 1))
 
 
 def _plan(**options):
