@@ -12,7 +12,6 @@ from omegaconf import DictConfig
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from lightning_memopt.cli.config import config_dir
-from lightning_memopt.planner.calibration import CACHE_VARIABLE
 
 
 @pytest.fixture
@@ -26,9 +25,14 @@ def compose_train(tmp_path):
     return compose_
 
 
+# calibration.CACHE_VARIABLE, named here without importing the planner: it loads Lightning, which then logs past
+# pytest's capture (it stops propagating to a root logger that has no handler yet)
+RATES_CACHE_VARIABLE = "LIGHTNING_MEMOPT_CACHE"
+
+
 def pytest_configure(config):
     """The CPU's measured rates (``measure_cpu``) cached for this run only: never a developer's stale file."""
-    os.environ.setdefault(CACHE_VARIABLE, tempfile.mkdtemp(prefix="memopt_rates_"))
+    os.environ.setdefault(RATES_CACHE_VARIABLE, tempfile.mkdtemp(prefix="memopt_rates_"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from lightning_memopt.planner import calibration
+from tests.conftest import RATES_CACHE_VARIABLE
 
 
 @pytest.fixture
@@ -14,6 +15,11 @@ def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(calibration.CACHE_VARIABLE, str(tmp_path))
     monkeypatch.setattr(calibration, "_MEASURED", {})
     return tmp_path / "cpu_rates.json"
+
+
+def test_the_test_run_keeps_its_own_cache():
+    assert RATES_CACHE_VARIABLE == calibration.CACHE_VARIABLE
+    assert calibration.cache_path().parent.name.startswith("memopt_rates_")
 
 
 def test_the_rates_are_timed_once_and_read_back_in_a_new_process(fresh_cache, monkeypatch):

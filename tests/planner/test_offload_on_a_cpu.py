@@ -68,7 +68,7 @@ def test_the_planner_never_offloads_on_a_cpu_device():
 
 
 _RSS_STEP = """
-import json, os, resource, sys
+import json, os, sys, threading, time
 import torch
 from lightning_memopt.checkpointing import apply_activation_checkpointing
 from lightning_memopt.memory import profile_step
@@ -88,10 +88,26 @@ predicted = profile_step(build, x, loss_fn=_loss, optimizer=_sgd, mode="fake", s
 model = build()
 _loss(model, x[:64]).backward()  # threads, kernels and the allocator warmed up
 model.zero_grad(set_to_none=True)
-with open("/proc/self/statm") as statm:
-    before = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+def rss():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+# the most the process holds during the step, polled (the lifetime peak may come from before it)
+highest, done = [0], threading.Event()
+
+def watch():
+    while not done.is_set():
+        highest[0] = max(highest[0], rss())
+        time.sleep(0.0002)
+
+watcher = threading.Thread(target=watch)
+before = rss()
+watcher.start()
 _loss(model, x).backward()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+done.set()
+watcher.join()
+peak = max(highest[0], rss())
 breakdown = predicted.breakdown
 print(json.dumps({"measured": peak - before, "predicted": predicted.peak_bytes - breakdown["parameters"]
                   - breakdown["inputs"], "apart": predicted.offloaded_bytes}))
@@ -104,8 +120,11 @@ def test_an_offloaded_step_holds_what_the_prediction_says_in_the_process_memory(
         done = run_python(["-c", _RSS_STEP, policy], tmp_path, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         grown[policy] = json.loads(done.stdout.strip().splitlines()[-1])
-    for policy, figures in grown.items():
-        # the process grows by the predicted step (~330 MiB) and some 60 MiB of the allocator's and autograd's own
-        assert 0.75 * figures["measured"] <= figures["predicted"] <= 1.05 * figures["measured"], (policy, figures)
-        assert figures["apart"] == 0, (policy, figures)  # nothing counted as freed by a copy to the host
-    assert grown["offload"]["measured"] > 0.9 * grown["none"]["measured"]  # offload saved nothing here
+    none, offload = grown["none"], grown["offload"]
+    for figures in (none, offload):
+        assert figures["apart"] == 0, grown  # nothing counted as freed by a copy to the host
+        assert figures["predicted"] <= 1.05 * figures["measured"], grown  # the process grew at least as predicted
+    # offload saves nothing here, as predicted: the ratio of the two steps' growth is the predicted one (measured
+    # here: 1.06 predicted, 1.06 measured; the prediction of the bytes before this fix was 0.24 of none's)
+    predicted, measured = offload["predicted"] / none["predicted"], offload["measured"] / none["measured"]
+    assert predicted >= 0.95 and abs(predicted - measured) <= 0.2, grown
