@@ -117,6 +117,7 @@ def profile_step(
     host_parameters: bool = False,
     device_type: str | None = None,
     workspace: LibraryWorkspace | None = None,
+    host_is_device: bool | None = None,
 ) -> MemoryProfile:
     """Run ``steps`` full training steps (forward, loss, backward, optimizer) and profile their memory.
 
@@ -155,6 +156,8 @@ def profile_step(
             ``None``: the device the module is on.
         workspace: the library workspaces to count beside the tensors (cuBLAS's, cuDNN's: a CUDA
             device's, from its :class:`~lightning_memopt.planner.Hardware`); ``None``: tensors only.
+        host_is_device: offloaded copies count in the device's memory (the step's device is the host);
+            ``None``: when the step is for a CPU device and ``host_parameters`` is off.
 
     Raises:
         ValueError: for an unknown ``mode``, ``precision`` or ``device_type``, ``steps`` < 1, or a plain
@@ -210,7 +213,8 @@ def profile_step(
         if warm_optimizer:
             create_optimizer_state(module, opt)
         # on a CPU device a host copy stays in the same memory: offloading activations there frees nothing
-        host_is_device = (device_type or device.type) == "cpu" and not host_parameters
+        if host_is_device is None:
+            host_is_device = (device_type or device.type) == "cpu" and not host_parameters
         tracker = MemoryTracker(round_to=round_to, workspace=workspace, host_is_device=host_is_device)
         if host_parameters:
             tracker.track(module.parameters(), "parameters", op="parameters", host=True)

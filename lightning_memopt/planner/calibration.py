@@ -52,7 +52,7 @@ def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5, refresh: b
             hardware = _timed_rates(0, size, repeats)
         _write_cache(key, hardware)
     _MEASURED[key] = hardware
-    return dataclasses.replace(hardware, memory_bytes=memory_bytes)
+    return dataclasses.replace(hardware, memory_bytes=memory_bytes, host_is_device=True)
 
 
 def machine_key() -> str:

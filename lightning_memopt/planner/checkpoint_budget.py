@@ -145,6 +145,7 @@ def plan_checkpointing(
     anchor = profile_step(
         factory, batch, loss_fn=loss_fn, optimizer=optimizer, mode="fake", precision=precision, steps=1,
         blocks=tuple(names), device_type=hardware.device_type, workspace=hardware.workspace,
+        host_is_device=hardware.host_is_device,
     )  # fmt: skip
     frontier = Frontier(block_options(anchor, names, hardware, lean=lean), ActivationPeaks.of(anchor))
     target = budget_bytes(budget, frontier.peaks.unchecked)

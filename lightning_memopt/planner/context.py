@@ -89,6 +89,7 @@ class SearchContext:
             blocks=tuple(self.blocks) if knobs.checkpoint == "none" and model is None else (),
             device_type=self.hardware.device_type,
             workspace=self.hardware.workspace,
+            host_is_device=self.hardware.host_is_device,
         )
         self.profiles += 1
         if self.progress is not None:

@@ -101,8 +101,8 @@ def block_options(
 ) -> dict[str, tuple[BlockOption, ...]]:
     """Every block of ``blocks`` the anchor saw called, with each way to treat it (keeping it first).
 
-    A mode that frees nothing is left out: offload on a CPU device (``hardware.device_type == "cpu"``), whose
-    host copies stay in the same memory. An offloaded block's output is counted apart: it leaves the
+    A mode that frees nothing is left out: offload where the host is the device (``hardware.host_is_device``:
+    this CPU), whose host copies stay in the same memory. An offloaded block's output is counted apart: it leaves the
     device only when the next block is offloaded too. ``lean``: the blocks with a lean recomputation
     of their own, priced by what they declare.
 
@@ -128,7 +128,7 @@ def block_options(
         forward = anchor.work(("forward",), (name,))
         found = [BlockOption(NO_CHECKPOINT, 0, 0.0)]
         for mode in CHECKPOINT_MODES:
-            if mode == "offload" and hardware.device_type == "cpu":
+            if mode == "offload" and hardware.host_is_device:
                 continue
             freed = account.saved_bytes if mode == "offload" else freed_bytes(anchor, {name: mode})[name]
             if freed <= 0:

@@ -55,6 +55,8 @@ class Hardware:
             step keeps other tensors in fp32 on CUDA than on the CPU).
         workspace: the library workspaces (cuBLAS, cuDNN) its profiles count beside the tensors; ``None``
             for the CPU.
+        host_is_device: the device is the host itself (this CPU, :func:`measure_cpu`): a copy to the host
+            frees nothing, so neither activation offload nor CPU offload of the model states is planned.
         fused_attention_wins: fused attention (``sdpa``) is at least as fast as the materialised
             one (``math``) here, as on every GPU; the planner then leaves ``math`` out, since it
             also never needs less memory.
@@ -77,6 +79,7 @@ class Hardware:
     host_overlaps: bool = True
     device_type: str = "cuda"
     workspace: LibraryWorkspace | None = BEFORE_HOPPER
+    host_is_device: bool = False
 
     @property
     def memory_gib(self) -> float:

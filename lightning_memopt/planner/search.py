@@ -159,7 +159,7 @@ def plan(
     coupled = bool(getattr(described, "batch_coupled_loss", False))
     precisions = list(precisions) if precisions is not None else [hardware.mixed_precision, "32-true"]
     notes = [_blocks_note(blocks, structure, found)]
-    if hardware.device_type == "cpu":
+    if hardware.host_is_device:
         # the host is the device: a copy to it frees nothing (block offload is left out in block_options too)
         if any(layout.cpu_offload for layout in layouts):
             layouts = [layout for layout in layouts if not layout.cpu_offload] or layouts_for(devices, shards, (False,))

@@ -91,6 +91,7 @@ def _profile(
         blocks=blocks,
         device_type=hardware.device_type,
         workspace=hardware.workspace,
+        host_is_device=hardware.host_is_device,
     )
 
 
