@@ -103,7 +103,7 @@ def measure(
     suite_name: str,
     workers: int,
     deadline: float = math.inf,
-    keep: Callable[[list[dict]], None] = print,
+    keep: Callable[[list[dict]], None] = lambda rows: None,
 ) -> list[dict]:
     """Every section's rows, printed as each section ends and handed to ``keep`` (the run writes its CSV there, so a
     run stopped from outside leaves what it measured). A section that would start more than ``deadline`` seconds
@@ -234,8 +234,7 @@ def main() -> int:
         write_csv(csv_path, rows)
         markdown_path.write_text(document(rows) + "\n")
 
-    rows = measure(device, suite, args.workers, args.deadline, keep)
-    keep(rows)
+    rows = measure(device, suite, args.workers, args.deadline, keep)  # written after each section
     print(f"wrote {markdown_path}")
     failures = failed(rows)
     for line in failures:

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_memopt.cli.config import config_dir
+from lightning_memopt.cli.errors import describe
 
 # command-line flags after which the apps compose nothing themselves: Hydra answers them as it does
 _HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion", "-cp",
@@ -47,7 +48,7 @@ def config_error(config_name: str, arguments: list[str]) -> str | None:
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as error:
-        return " ".join(str(error).split())
+        return describe(error)
     plain = [override.input_line for override in parsed if not override.is_sweep_override()]
     with initialize_config_dir(config_dir(), version_base="1.3"):
         try:
@@ -57,7 +58,7 @@ def config_error(config_name: str, arguments: list[str]) -> str | None:
         except ConfigCompositionException as error:
             return _unknown_key(config_name, error, plain)
         except (HydraException, OmegaConfBaseException) as error:
-            return " ".join(str(error).split())
+            return describe(error)
     return None
 
 
@@ -69,16 +70,16 @@ def _missing_option(error: MissingConfigException) -> str:
     if extra is not None:
         return f'`{group}={option}` needs the {extra} extra: pip install "lightning-memopt[{extra}]"'
     if not group:
-        return " ".join(str(error).split())
+        return describe(error)
     options = error.options or GlobalHydra.instance().config_loader().get_group_options(group)
     return f"`{group}={option}`: no such option of `{group}`; valid choices: {', '.join(sorted(options))}"
 
 
 def _unknown_key(config_name: str, error: ConfigCompositionException, overrides: list[str]) -> str:
-    """``trainer.max_step=2`` → the nearest keys at that level, and how to add a new one."""
+    """``trainer.max_step=2`` → the nearest keys anywhere in the config, and how to add a new one."""
     found = re.search(r"Could not override '([^']+)'", str(error))
     if found is None:
-        return " ".join(str(error).split())
+        return describe(error)
     key = found.group(1)
     value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "…")
     others = [o for o in overrides if o.split("=", 1)[0] != key]
@@ -95,10 +96,9 @@ def _unknown_key(config_name: str, error: ConfigCompositionException, overrides:
 def _dotted_keys(node: DictConfig, prefix: str = "") -> list[str]:
     """Every key of ``node`` as a dotted path (interpolations left unresolved)."""
     keys = []
-    for name in node:
+    for name, child in node.items_ex(resolve=False):
         path = f"{prefix}{name}"
         keys.append(path)
-        child = node._get_node(name)
         if isinstance(child, DictConfig):
             keys += _dotted_keys(child, f"{path}.")
     return keys

@@ -65,16 +65,16 @@ def _checkpointing(snapshot: MemorySnapshot) -> tuple[str, int, str] | None:
         names = list(by_block)
         held = sum(by_block.values())
         return (
-            f"activation checkpointing of its {len(names)} blocks ({_span(names)}; memopt=checkpoint, or the "
+            f"activation checkpointing of its {len(names)} blocks ({_span(names)}; memopt=checkpointing, or the "
             "ActivationCheckpointing callback)",
             held - max(by_block.values()),
             "the blocks' activations less the largest block's, which is recomputed live in backward",
         )
     by_module = snapshot.activations_by_module()
-    if snapshot.by_category()["activations"] and len(by_module) > 1:
+    if len(by_module) > 1:  # activations there: by_module counts only them
         return (
             "activation checkpointing of the top-level modules (the ActivationCheckpointing callback)",
-            snapshot.by_category()["activations"] - max(by_module.values()),
+            sum(by_module.values()) - max(by_module.values()),
             "activations less the largest module's, which is recomputed live in backward",
         )
     return None

@@ -13,6 +13,7 @@ every plan moved with the machine's load, so the same candidate was priced at 3.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -57,14 +58,18 @@ def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5, refresh: b
 
 def machine_key() -> str:
     """What the cached rates belong to: the processor, torch's threads and version."""
-    model = platform.processor() or platform.machine()
+    return f"{_processor()}; {torch.get_num_threads()} threads; torch {torch.__version__}"
+
+
+@functools.cache
+def _processor() -> str:
+    """The processor's model name (read once: it does not change while the process runs; the threads may)."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
-        names = [
-            line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")
-        ]
-        model = names[0] if names else model
-    return f"{model}; {torch.get_num_threads()} threads; torch {torch.__version__}"
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def cache_path() -> Path:

@@ -161,8 +161,7 @@ def plan(
     notes = [_blocks_note(blocks, structure, found)]
     if hardware.host_is_device:
         # the host is the device: a copy to it frees nothing (block offload is left out in block_options too)
-        if any(layout.cpu_offload for layout in layouts):
-            layouts = [layout for layout in layouts if not layout.cpu_offload] or layouts_for(devices, shards, (False,))
+        layouts = layouts_for(devices, shards, (False,))
         notes.append(
             f"offload not considered: on {hardware.name} the host is the device, so a copy to it frees nothing"
         )

@@ -73,10 +73,12 @@ def test_the_dry_run_measures_every_section_and_every_check_passes(tmp_path):
 @pytest.mark.parametrize(("passed", "code"), [(True, 0), (False, 1)])
 def test_a_failed_check_makes_the_exit_code_1(monkeypatch, tmp_path, capsys, passed, code):
     def measure(device, suite, workers, deadline, keep):
-        return [
+        rows = [
             gpu_truth.device_row(device, suite),
             truth_rows.row("prediction", "r50", "32-true", deviation=0.2 if not passed else 0.0, passed=passed),
         ]
+        keep(rows)  # as each section does
+        return rows
 
     monkeypatch.setattr(gpu_truth, "measure", measure)
     monkeypatch.setattr(sys, "argv", ["gpu_truth.py", "--dry-run", "--csv", str(tmp_path / "t.csv")])

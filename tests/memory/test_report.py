@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
+from lightning_memopt.cli.config import config_dir
 from lightning_memopt.memory import profile_step
 from lightning_memopt.memory.report import format_report, suggestions
 from lightning_memopt.memory.tracker import MemoryTracker
@@ -47,6 +50,7 @@ def test_an_oom_report_names_the_blocks_of_a_module_list_and_how_much_checkpoint
     assert next(iter(by_module)) == "blocks" and by_module["blocks"] == sum(by_block.values())
     remedy, saved, _ = next(item for item in suggestions(peak) if "checkpointing" in item[0])
     assert remedy.startswith("activation checkpointing of its 12 blocks (blocks.0 … blocks.11;")
+    assert "memopt=checkpointing" in remedy and (Path(config_dir()) / "memopt" / "checkpointing.yaml").is_file()
     assert saved == sum(by_block.values()) - max(by_block.values())
     report = format_report(peak, "out of memory at step 0", devices=1)
     assert "activations by block (12 blocks" in report and "  4 more " in report  # 8 largest, then the rest
