@@ -16,6 +16,7 @@ from typing_extensions import override
 from lightning_memopt.arguments import check_bool, check_optional_bool
 from lightning_memopt.checkpointing import checkpoint_mode
 from lightning_memopt.strategies.comm_hooks import COMM_HOOKS, CommHookName, check_powersgd_options, comm_hook
+from lightning_memopt.strategies.process_groups import destroy_process_groups_at_exit
 
 POWERSGD_KEY = "memopt_powersgd"  # checkpoint entry: one PowerSGD state per rank
 
@@ -101,6 +102,11 @@ class MemoptDDPStrategy(DDPStrategy):
         self._saved_powersgd: list[dict[str, Any]] | None = None
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_process_groups_at_exit()  # (Lightning does it for NCCL only)
+
+    @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         static = self.static_graph
         if static is None:
@@ -145,6 +151,9 @@ class MemoptDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._saved_powersgd = None  # a state loaded by validate / test must not reach a later fit
+        if self._object_group is not None:  # one gloo group per fit would pile up over a process's fits
+            dist.destroy_process_group(self._object_group)
+            self._object_group = None
         super().teardown()
 
     def _restore_powersgd(self) -> None:
