@@ -51,6 +51,9 @@ POLICIES: dict[str, Any] = {
     "offload": "offload",
 }
 KNAPSACK_BUDGET = 0.5  # the knapsack at selective's target: half the activations
+FULL_TARGETS = {"r100": 3.0, "sapiens_0.3b": 5.0, "cotracker3": 2.5}  # full checkpointing's reduction, at most:
+FULL_TIME_TARGET = 1.45  # … this step time
+SELECTIVE_TARGET = (2.0, 1.2)  # selective, or the knapsack at its memory: reduction at least, step time at most
 _MIB = 2**20
 
 
@@ -192,11 +195,18 @@ _POLICY_LABELS = {
 }
 
 
+def model_label(row: dict[str, str]) -> str:
+    """The row's model at the input its bytes were counted at, and the smaller one its times were taken at (the
+    note's ``timed at …``), if any."""
+    timed = [part.split(":")[0] for part in row["note"].split("; ") if part.startswith("timed at ")]
+    return f"{row['model'][:-1]}; {timed[0]})" if timed else row["model"]
+
+
 def table(path: Path) -> str:
     """The docs' table from the CSV: one row per model and policy; full and selective in bold (the targets)."""
     lines, previous = [], None
     for row in read_rows(path):
-        model = row["model"].replace(" (", ", ").rstrip(")")
+        model = model_label(row).replace(" (", ", ").rstrip(")")
         policy = row["policy"]
         bold = "**" if policy in ("full", "selective") or policy.startswith("budget") else ""
         offloaded = float(row["offloaded_mib"])
@@ -213,6 +223,36 @@ def table(path: Path) -> str:
         previous = model
     columns = ["model", "policy", "activation peak MiB", "reduction", "offloaded MiB", "step time ×"]
     return markdown_table(columns, lines)
+
+
+def targets(path: Path) -> str:
+    """The docs' targets, each met or missed per model, from the CSV."""
+    full = ", ".join(f"≥ {target:g}× on {model}" for model, target in FULL_TARGETS.items())
+    reduction, time_ratio = SELECTIVE_TARGET
+    lines = [
+        f"Targets: full checkpointing {full} at ≤ {FULL_TIME_TARGET}× step time; selective, or the knapsack at "
+        f"selective's memory, ≥ {reduction:g}× at ≤ {time_ratio}× (CPU step times):",
+        "",
+    ]
+    rows = read_rows(path)
+    unchecked = {row["model"]: float(row["activation_peak_mib"]) for row in rows if row["policy"] == "none"}
+    knapsack = f"budget={KNAPSACK_BUDGET}"
+    for policy in ("full", "selective", knapsack):
+        met, missed = [], []
+        for row in (row for row in rows if row["policy"] == policy):
+            model = row["model"].split()[0]
+            least = FULL_TARGETS[model] if policy == "full" else reduction
+            slowest = FULL_TIME_TARGET if policy == "full" else time_ratio
+            figure = f"{float(row['reduction']):.2f}× at {float(row['step_time_ratio']):.2f}×"
+            if policy == knapsack:  # its choice, and its peak against the budget it was planned for
+                chosen = row["note"].split("; ")[0].removeprefix("knapsack: ")
+                budget = KNAPSACK_BUDGET * unchecked[row["model"]]
+                figure += f"; {chosen}: {float(row['activation_peak_mib']):.1f} MiB, budget {budget:.1f} MiB"
+            fits = float(row["reduction"]) >= least and float(row["step_time_ratio"]) <= slowest
+            (met if fits else missed).append(f"{model} ({figure})")
+        verdicts = [f"{word} on {', '.join(models)}" for word, models in (("met", met), ("missed", missed)) if models]
+        lines.append(f"- **{_POLICY_LABELS.get(policy, f'`{policy}`')}**: {'; '.join(verdicts)}.")
+    return "\n".join(lines)
 
 
 def main() -> None:

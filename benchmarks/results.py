@@ -6,6 +6,7 @@ import argparse
 import csv
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +72,33 @@ class StepTimes(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.seconds.append(time.perf_counter() - self._start)
+
+
+def signed(value: float, digits: int = 1) -> str:
+    """``value`` with its sign, a typographic minus: ``−2.1``, ``+3.4``."""
+    return f"{value:+.{digits}f}".replace("-", "−")
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Predictions against what was measured: each relative deviation (predicted / measured − 1)."""
+
+    deviations: tuple[float, ...]
+    tolerance: float = 0.05
+
+    @property
+    def within(self) -> int:
+        return sum(abs(deviation) <= self.tolerance for deviation in self.deviations)
+
+    @property
+    def under(self) -> int:
+        return sum(deviation < 0 for deviation in self.deviations)
+
+    def range(self) -> str:
+        """The least and the largest deviation, in per cent: ``−2.1 … +3.4 %``."""
+        return f"{signed(100 * min(self.deviations))} … {signed(100 * max(self.deviations))} %"
+
+    def of(self) -> str:
+        """How many are within the tolerance: ``45 of 48``, or ``all 18``."""
+        total = len(self.deviations)
+        return f"all {total}" if self.within == total else f"{self.within} of {total}"

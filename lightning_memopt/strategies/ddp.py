@@ -123,10 +123,8 @@ class MemoptDDPStrategy(DDPStrategy):
         self.comm_state, self.comm_hook = comm_hook(self.comm_hook_name, self.model.module, **self._powersgd_options)
         if self.comm_hook is None:
             return
-        if self.comm_hook_name == "powersgd":
-            self._object_group = dist.new_group(backend="gloo")  # every rank, at the same point
-            if self._saved_powersgd is not None:
-                self._restore_powersgd()
+        if self.comm_hook_name == "powersgd" and self._saved_powersgd is not None:
+            self._restore_powersgd()
         self.model.register_comm_hook(self.comm_state, self.comm_hook)
 
     @override
@@ -136,6 +134,8 @@ class MemoptDDPStrategy(DDPStrategy):
         Weights-only checkpoints (no optimizer state) leave it out.
         """
         if self.comm_hook_name == "powersgd" and self.comm_hook is not None and "optimizer_states" in checkpoint:
+            if self._object_group is None:  # every rank saves at the same point: made here, kept until teardown
+                self._object_group = dist.new_group(backend="gloo")
             states: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
             dist.gather_object(self.comm_hook.state_dict(), states, dst=0, group=self._object_group)
             if self.is_global_zero:
@@ -151,7 +151,7 @@ class MemoptDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._saved_powersgd = None  # a state loaded by validate / test must not reach a later fit
-        if self._object_group is not None:  # one gloo group per fit would pile up over a process's fits
+        if self._object_group is not None:  # one more gloo group per fit would pile up over a process's fits
             dist.destroy_process_group(self._object_group)
             self._object_group = None
         super().teardown()

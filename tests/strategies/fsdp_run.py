@@ -18,21 +18,44 @@ from lightning_memopt.data.synthetic_normals import SyntheticNormalsDataset
 from lightning_memopt.strategies import MemoptFSDPStrategy
 from lightning_memopt.tasks import NormalEstimationModule
 from tests.helpers import quiet_trainer
-from tests.strategies.strategies_ddp_run import MLP, Block, Indexed, data, one_batch
+from tests.strategies.strategies_ddp_run import MLP, Block, Indexed, data
 
 
 class Losses(pl.Callback):
-    """Each step's training loss, and each rank's count of the parameters' elements it holds after the fit."""
+    """Each step's loss and inputs, and each rank's count of the parameters' elements it holds after the fit."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.inputs: list[torch.Tensor] = []
         self.local_elements = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(outputs["loss"].item())
+        self.inputs.append(batch[0].clone())
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self.local_elements = sum(_local(p).numel() for p in pl_module.parameters())
+
+
+class Steps(pl.Callback):
+    """Every parameter's gradient before each optimizer step and its value after the step, whole."""
+
+    def __init__(self) -> None:
+        self.gradients: list[dict[str, torch.Tensor]] = []
+        self.parameters: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.gradients.append({name: _whole(p.grad) for name, p in pl_module.named_parameters()})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.parameters.append(full_parameters(pl_module))
+
+
+class PlainSGD(MLP):
+    """SGD without momentum: no state carries a step's error on, and no scale invariance (Adam's) hides one."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class NineIndexed(Indexed):
@@ -52,12 +75,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` whole (a sharded one gathered from the ranks)."""
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
+
+
 def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole (a sharded one gathered from the ranks)."""
-    return {
-        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-        for name, p in module.named_parameters()
-    }
+    """Every parameter whole."""
+    return {name: _whole(p) for name, p in module.named_parameters()}
 
 
 def normals() -> tuple[NormalEstimationModule, DataLoader]:
@@ -95,20 +120,29 @@ def run(rank: int, out_dir: str, port: int) -> None:
     trainer.save_checkpoint(f"{out_dir}/normals.ckpt")  # fsdp_memopt's folder of shards
     result["normals/elements"] = sum(p.numel() for p in normals()[0].parameters())
 
-    # 6 steps straight, and 3 saved then resumed to 6, from the folder of shards and from one file (the same
-    # batch every step: Lightning replays a resumed epoch from its start)
-    module, _, recorder = fit("fsdp_memopt", 6, loader=one_batch(), use_distributed_sampler=False)
+    # no clipping, plain SGD, each rank and step a batch of its own: a gradient scaled wrong shows at every step
+    for name in ("ddp", "fsdp_memopt"):
+        steps = Steps()
+        _, _, recorder = fit(name, 4, PlainSGD(), callbacks=[steps])
+        result[f"steps/{name}"] = {"gradients": steps.gradients, "parameters": steps.parameters}
+    result["steps/inputs"] = recorder.inputs
+
+    # one epoch of 6 shuffled batches straight, and 3 saved then resumed mid-epoch to 6, from the folder of shards
+    # and from one file, on the resumable loader of the datamodules
+    module, _, recorder = fit("fsdp_memopt", 6, loader=Indexed(batch_size=8), limit_val_batches=0)
     result["straight"], result["straight/losses"] = full_parameters(module), recorder.losses
+    result["straight/inputs"] = recorder.inputs
     for layout, distributed in (("sharded", True), ("full", False)):
         path = f"{out_dir}/{layout}.ckpt"
         strategy = MemoptFSDPStrategy(save_distributed_checkpoint=distributed)
-        module, trainer, _ = fit(strategy, 3, loader=one_batch(), use_distributed_sampler=False)
+        module, trainer, _ = fit(strategy, 3, loader=Indexed(batch_size=8), limit_val_batches=0)
         trainer.save_checkpoint(path)
         result[f"saved/{layout}"] = full_parameters(module)
         strategy = MemoptFSDPStrategy(save_distributed_checkpoint=distributed)
-        module, _, recorder = fit(strategy, 6, loader=one_batch(), use_distributed_sampler=False, ckpt_path=path)
+        module, _, recorder = fit(strategy, 6, loader=Indexed(batch_size=8), limit_val_batches=0, ckpt_path=path)
         result[f"resumed/{layout}"] = full_parameters(module)
         result[f"resumed/{layout}/losses"] = recorder.losses
+        result[f"resumed/{layout}/inputs"] = recorder.inputs
     validated = Evaluated()
     quiet_trainer(strategy="fsdp_memopt", devices=2).validate(validated, datamodule=NineIndexed(batch_size=4))
     result["validation_seen"] = validated.seen

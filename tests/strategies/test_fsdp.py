@@ -203,6 +203,17 @@ def test_two_ranks_train_as_under_ddp_holding_half_the_parameters_each(two_ranks
 
 
 @pytest.mark.distributed
+def test_unclipped_plain_sgd_steps_match_ddp_in_gradients_and_parameters_at_every_step(two_ranks):
+    _, ranks = two_ranks
+    for rank in ranks:
+        fsdp, ddp = rank["steps/fsdp_memopt"], rank["steps/ddp"]
+        assert len(ddp["gradients"]) == len(ddp["parameters"]) == 4
+        torch.testing.assert_close(fsdp, ddp, rtol=1e-6, atol=0.0)  # names the step and parameter that differ
+    inputs = [batch for rank in ranks for batch in rank["steps/inputs"]]
+    assert len({tuple(batch.flatten().tolist()) for batch in inputs}) == 8  # a batch of its own per rank and step
+
+
+@pytest.mark.distributed
 def test_validation_runs_as_many_batches_on_every_rank(two_ranks):
     _, ranks = two_ranks
     seen = ranks[0]["validation_seen"] + ranks[1]["validation_seen"]
@@ -211,12 +222,15 @@ def test_validation_runs_as_many_batches_on_every_rank(two_ranks):
 
 
 @pytest.mark.distributed
-def test_a_resumed_run_continues_exactly_from_shards_or_one_file(two_ranks):
+def test_a_run_resumed_mid_epoch_continues_exactly_from_shards_or_one_file(two_ranks):
     _, ranks = two_ranks
     for rank in ranks:
+        assert len({tuple(batch.flatten().tolist()) for batch in rank["straight/inputs"]}) == 6
         for layout in ("sharded", "full"):
-            assert _distance(rank[f"resumed/{layout}"], rank["straight"]) == 0.0
+            resumed = rank[f"resumed/{layout}/inputs"]  # the batches after step 3, not the epoch's first again
+            assert len(resumed) == 3 and all(map(torch.equal, resumed, rank["straight/inputs"][3:])), layout
             assert rank[f"resumed/{layout}/losses"] == rank["straight/losses"][3:]
+            assert _distance(rank[f"resumed/{layout}"], rank["straight"]) == 0.0
 
 
 @pytest.mark.distributed
