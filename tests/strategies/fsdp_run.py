@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt import ActivationCheckpointing
+from lightning_memopt.callbacks import LastCheckpoint
 from lightning_memopt.data.synthetic_normals import SyntheticNormalsDataset
 from lightning_memopt.strategies import MemoptFSDPStrategy
 from lightning_memopt.tasks import NormalEstimationModule
@@ -22,16 +23,16 @@ from tests.strategies.strategies_ddp_run import MLP, Block, Indexed, data
 
 
 class Losses(pl.Callback):
-    """Each step's loss and inputs, and each rank's count of the parameters' elements it holds after the fit."""
+    """Each step's loss and batch, and each rank's count of the parameters' elements it holds after the fit."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
-        self.inputs: list[torch.Tensor] = []
+        self.batches: list = []
         self.local_elements = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(outputs["loss"].item())
-        self.inputs.append(batch[0].clone())
+        self.batches.append(batch)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self.local_elements = sum(_local(p).numel() for p in pl_module.parameters())
@@ -125,24 +126,24 @@ def run(rank: int, out_dir: str, port: int) -> None:
         steps = Steps()
         _, _, recorder = fit(name, 4, PlainSGD(), callbacks=[steps])
         result[f"steps/{name}"] = {"gradients": steps.gradients, "parameters": steps.parameters}
-    result["steps/inputs"] = recorder.inputs
+    result["steps/batches"] = recorder.batches
 
-    # one epoch of 6 shuffled batches straight, and 3 saved then resumed mid-epoch to 6, from the folder of shards
-    # and from one file, on the resumable loader of the datamodules
+    # one epoch of 6 shuffled batches straight, and 3 saved on the step boundary (LastCheckpoint) then resumed
+    # mid-epoch to 6, from the folder of shards and from one file, on the resumable loader of the datamodules
     module, _, recorder = fit("fsdp_memopt", 6, loader=Indexed(batch_size=8), limit_val_batches=0)
     result["straight"], result["straight/losses"] = full_parameters(module), recorder.losses
-    result["straight/inputs"] = recorder.inputs
+    result["straight/batches"] = recorder.batches
     for layout, distributed in (("sharded", True), ("full", False)):
         path = f"{out_dir}/{layout}.ckpt"
         strategy = MemoptFSDPStrategy(save_distributed_checkpoint=distributed)
-        module, trainer, _ = fit(strategy, 3, loader=Indexed(batch_size=8), limit_val_batches=0)
-        trainer.save_checkpoint(path)
+        last = LastCheckpoint(out_dir, f"{layout}.ckpt")
+        module, _, _ = fit(strategy, 3, loader=Indexed(batch_size=8), limit_val_batches=0, callbacks=[last])
         result[f"saved/{layout}"] = full_parameters(module)
         strategy = MemoptFSDPStrategy(save_distributed_checkpoint=distributed)
         module, _, recorder = fit(strategy, 6, loader=Indexed(batch_size=8), limit_val_batches=0, ckpt_path=path)
         result[f"resumed/{layout}"] = full_parameters(module)
         result[f"resumed/{layout}/losses"] = recorder.losses
-        result[f"resumed/{layout}/inputs"] = recorder.inputs
+        result[f"resumed/{layout}/batches"] = recorder.batches
     validated = Evaluated()
     quiet_trainer(strategy="fsdp_memopt", devices=2).validate(validated, datamodule=NineIndexed(batch_size=4))
     result["validation_seen"] = validated.seen

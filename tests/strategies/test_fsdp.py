@@ -209,7 +209,7 @@ def test_unclipped_plain_sgd_steps_match_ddp_in_gradients_and_parameters_at_ever
         fsdp, ddp = rank["steps/fsdp_memopt"], rank["steps/ddp"]
         assert len(ddp["gradients"]) == len(ddp["parameters"]) == 4
         torch.testing.assert_close(fsdp, ddp, rtol=1e-6, atol=0.0)  # names the step and parameter that differ
-    inputs = [batch for rank in ranks for batch in rank["steps/inputs"]]
+    inputs = [batch[0] for rank in ranks for batch in rank["steps/batches"]]
     assert len({tuple(batch.flatten().tolist()) for batch in inputs}) == 8  # a batch of its own per rank and step
 
 
@@ -225,10 +225,10 @@ def test_validation_runs_as_many_batches_on_every_rank(two_ranks):
 def test_a_run_resumed_mid_epoch_continues_exactly_from_shards_or_one_file(two_ranks):
     _, ranks = two_ranks
     for rank in ranks:
-        assert len({tuple(batch.flatten().tolist()) for batch in rank["straight/inputs"]}) == 6
-        for layout in ("sharded", "full"):
-            resumed = rank[f"resumed/{layout}/inputs"]  # the batches after step 3, not the epoch's first again
-            assert len(resumed) == 3 and all(map(torch.equal, resumed, rank["straight/inputs"][3:])), layout
+        straight = rank["straight/batches"]
+        assert len({tuple(batch[0].flatten().tolist()) for batch in straight}) == 6
+        for layout in ("sharded", "full"):  # the batches after step 3, not the epoch's first ones again
+            torch.testing.assert_close(rank[f"resumed/{layout}/batches"], straight[3:], rtol=0, atol=0)
             assert rank[f"resumed/{layout}/losses"] == rank["straight/losses"][3:]
             assert _distance(rank[f"resumed/{layout}"], rank["straight"]) == 0.0
 
