@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from results import markdown_table, read_rows, write_csv
+from results import markdown_table, prose, read_rows, write_csv
 from torch import nn
 
 from lightning_memopt.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
@@ -252,7 +252,7 @@ def targets(path: Path) -> str:
             (met if fits else missed).append(f"{model} ({figure})")
         verdicts = [f"{word} on {', '.join(models)}" for word, models in (("met", met), ("missed", missed)) if models]
         lines.append(f"- **{_POLICY_LABELS.get(policy, f'`{policy}`')}**: {'; '.join(verdicts)}.")
-    return "\n".join(lines)
+    return prose(*lines)
 
 
 def main() -> None:

@@ -56,11 +56,11 @@ from datetime import date
 from multiprocessing.pool import AsyncResult
 from pathlib import Path
 
-from results import read_rows, write_csv
+from results import Spread, models_by_variant, prose, read_rows, write_csv
 from truth_allocator import allocator_rows
 from truth_cases import SUITES
 from truth_device import TruthDevice
-from truth_memory import margin_row, planned_row, prediction_rows, smallest_device_rows
+from truth_memory import PREDICTION_TOLERANCE, margin_row, planned_row, prediction_rows, smallest_device_rows
 from truth_recovery import cuda_tests_row, overflow_row, recovery_row
 from truth_reference import reference_rows
 from truth_rows import FIGURES, failed, markdown, row
@@ -192,6 +192,40 @@ def document(rows: list[dict]) -> str:
 def table(path: Path) -> str:
     """The markdown of a CSV this script wrote (``benchmarks/tables.py`` renders the docs' copy with it)."""
     return document(read_rows(path))
+
+
+def summary(path: Path) -> str:
+    """The docs' figures of a run: its predictions against the allocator, the capped fits, the safety margin the
+    smallest devices need, the allocator's and the monitor's ratios."""
+    rows = read_rows(path)
+    section = {name: [line for line in rows if line["section"] == name] for name in {line["section"] for line in rows}}
+
+    def spread(lines: list[dict]) -> Spread:
+        return Spread(tuple(float(line["deviation"]) for line in lines), PREDICTION_TOLERANCE)
+
+    def ratios(name: str) -> str:
+        return "; ".join(f"{float(line['ratio']):.3f} with {line['variant']}" for line in section[name])
+
+    predicted, reference = spread(section["prediction"]), spread(section["reference batch"])
+    missed = [line for line in section["prediction"] if line["passed"] == "no"]
+    fits = [line for line in section["planner"] + section["seeds"] if line["passed"] == "yes"]
+    peaks = ", ".join(f"{float(line['deviation']) + 1:.3f} ({line['case'].split()[0]})" for line in fits)
+    margins = [float(line["ratio"]) for line in section["smallest device"]]
+    (calibration,) = section["calibration"]
+    verdict = "passed" if calibration["passed"] == "yes" else "failed"
+    return prose(
+        f"- **Memory predictions against `max_memory_allocated`:** {predicted.of()} reduced-size rows within "
+        f"{PREDICTION_TOLERANCE:.0%} ({predicted.range()}, {predicted.under} under); missed: "
+        f"{models_by_variant(missed)} ({spread(missed).range()}). The README's reference batches: "
+        f"**{reference.of()} within {PREDICTION_TOLERANCE:.0%}, {reference.range()}**.",
+        f"- **Capped fits (the planner's, the seeds'):** {len(fits)} ran without running out of memory, predicted at "
+        f"{peaks} of their real peaks.",
+        f"- **Safety margin:** the smallest capped device each case ran on needs m = {min(margins):.3f}–"
+        f"{max(margins):.3f}; the calibration row, {float(calibration['ratio']):.3f}, {verdict} against "
+        f"{calibration['note'].split('; ')[-1]}.",
+        f"- **Allocator**, reserved over allocated: {ratios('allocator')}.",
+        f"- **MemoryMonitor**, the fit's time with it over without: {ratios('monitor')}.",
+    )
 
 
 def main() -> int:

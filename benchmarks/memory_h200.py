@@ -21,7 +21,16 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from results import add_table_options, markdown_table, printed_table, read_rows, write_csv
+from results import (
+    Spread,
+    add_table_options,
+    markdown_table,
+    models_by_variant,
+    printed_table,
+    prose,
+    read_rows,
+    write_csv,
+)
 from truth_cases import SUITES
 from truth_memory import PREDICTION_TOLERANCE, VARIANTS, _variant, predicted_peak
 from truth_reference import predicted_peak as reference_peak
@@ -112,6 +121,25 @@ def table(path: Path) -> str:
     return markdown_table(columns, body)
 
 
+def _spread(rows: list[dict[str, str]], when: str) -> Spread:
+    return Spread(tuple(float(row[f"deviation_{when}"]) for row in rows), PREDICTION_TOLERANCE)
+
+
+def summary(path: Path) -> str:
+    """The docs' figures: the rows within the tolerance now and then, under the allocator, and those left."""
+    rows = read_rows(path)
+    reduced = [row for row in rows if "reference batch" not in row["case"]]
+    reference = [row for row in rows if "reference batch" in row["case"]]
+    now, then = _spread(reduced, "now"), _spread(reduced, "then")
+    left = [row for row in reduced if abs(float(row["deviation_now"])) > PREDICTION_TOLERANCE]
+    return prose(
+        f"Within {PREDICTION_TOLERANCE:.0%}: {now.of()} reduced-size rows now ({then.within} then), {now.under} under "
+        f"the allocator ({then.under} then); {_spread(reference, 'now').of()} reference batches "
+        f"({_spread(reference, 'then').within} then), {_spread(reference, 'now').range()}. The {len(left)} rows left "
+        f"are {_spread(left, 'now').range()} off ({_spread(left, 'then').range()} then): {models_by_variant(left)}."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_table_options(parser, __file__)
@@ -128,11 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     for kind, chosen in (("prediction", False), ("reference-batch", True)):
         kept = [row for row in rows if ("reference batch" in row["case"]) == chosen]
         for when in ("then", "now"):
-            deviations = [float(row[f"deviation_{when}"]) for row in kept]
-            within = sum(abs(d) <= PREDICTION_TOLERANCE for d in deviations)
-            under = sum(d < 0 for d in deviations)
-            print(f"{kind} rows, {when}: {within} of {len(kept)} within {PREDICTION_TOLERANCE:.0%} of the H200's "
-                  f"allocator; {under} under; from {min(deviations):+.1%} to {max(deviations):+.1%}")  # fmt: skip
+            spread = _spread(kept, when)
+            print(f"{kind} rows, {when}: {spread.of()} within {PREDICTION_TOLERANCE:.0%} of the H200's allocator; "
+                  f"{spread.under} under; {spread.range()}")  # fmt: skip
     return 0
 
 

@@ -35,7 +35,7 @@ from hydra.utils import instantiate
 
 # a sibling script: run from benchmarks/ or as a path
 from pareto_front import SweepRun, fastest_within, read_sweep, table
-from results import StepTimes, cpu_trainer, markdown_table, read_rows, write_csv
+from results import StepTimes, cpu_trainer, markdown_table, prose, read_rows, write_csv
 
 from lightning_memopt import MemoryBudget
 from lightning_memopt.cli.config import config_dir
@@ -123,8 +123,45 @@ def budget_table(path: Path) -> str:
                 f"**{float(row['step_time_ratio']):.2f}** ({float(row['plan_step_ms']):.1f} ms)",
             ]
         )
-    columns = ["budget", "plan", "predicted / real peak", "share of budget", "fastest fitting, side by side"]
+    columns = [
+        "budget",
+        "plan",
+        "predicted / real peak (host copies apart)",
+        "share of budget",
+        "fastest fitting, side by side",
+    ]
     return markdown_table([*columns, "plan ÷ fastest"], lines)
+
+
+def targets(path: Path) -> str:
+    """The docs' targets, each met or missed at each budget, from the CSV."""
+    rows = read_rows(path)
+    over = [
+        f"{float(row['budget_mib']):g} MiB" for row in rows if float(row["real_peak_mib"]) > float(row["budget_mib"])
+    ]
+    lines = [f"Over its budget: {', '.join(over)}." if over else "Every plan's real peak is within its budget.", ""]
+    for name, column, cell, meets in (
+        (
+            f"real peak ≥ {PEAK_FLOOR:.0%} of the budget",
+            "peak_share_of_budget",
+            "{:.0%}",
+            lambda share: share >= PEAK_FLOOR,
+        ),
+        (
+            f"step time ≤ {TIME_TARGET:.2f} × the fastest fitting",
+            "step_time_ratio",
+            "{:.2f}",
+            lambda ratio: ratio <= TIME_TARGET,
+        ),
+    ):
+        missed = [
+            f"{float(row['budget_mib']):g} MiB ({cell.format(float(row[column]))})"
+            for row in rows
+            if not meets(float(row[column]))
+        ]
+        verdict = f"; missed at {', '.join(missed)}." if missed else "."
+        lines.append(f"- **{name}**: met at {len(rows) - len(missed)} of {len(rows)}{verdict}")
+    return prose(*lines)
 
 
 def main() -> None:

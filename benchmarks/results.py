@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,6 +75,28 @@ class StepTimes(pl.Callback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
+def prose(*paragraphs: str, width: int = 115) -> str:
+    """Generated Markdown prose: each paragraph (a bullet where it starts with ``- ``) wrapped to ``width``."""
+    return "\n".join(
+        textwrap.fill(
+            text,
+            width,
+            subsequent_indent="  " if text.startswith("- ") else "",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        for text in paragraphs
+    )
+
+
+def models_by_variant(rows: list[dict[str, str]]) -> str:
+    """``cotracker2, cotracker3 at bf16-mixed, checkpointing preset``: each variant's models (a case's first word)."""
+    models: dict[str, list[str]] = {}
+    for row in rows:
+        models.setdefault(row["variant"], []).append(row["case"].split()[0])
+    return "; ".join(f"{', '.join(names)} at {variant}" for variant, names in models.items())
+
+
 def signed(value: float, digits: int = 1) -> str:
     """``value`` with its sign, a typographic minus: ``−2.1``, ``+3.4``."""
     return f"{value:+.{digits}f}".replace("-", "−")
@@ -95,8 +118,8 @@ class Spread:
         return sum(deviation < 0 for deviation in self.deviations)
 
     def range(self) -> str:
-        """The least and the largest deviation, in per cent: ``−2.1 … +3.4 %``."""
-        return f"{signed(100 * min(self.deviations))} … {signed(100 * max(self.deviations))} %"
+        """The least and the largest deviation, in per cent: ``−2.1 … +3.4%``."""
+        return f"{signed(100 * min(self.deviations))} … {signed(100 * max(self.deviations))}%"
 
     def of(self) -> str:
         """How many are within the tolerance: ``45 of 48``, or ``all 18``."""

@@ -1,4 +1,5 @@
-"""Every benchmark table in the README and the docs is the one its CSV gives (benchmarks/tables.py)."""
+"""Every benchmark table and measured figure in the README and the docs is the one its CSV gives
+(benchmarks/tables.py)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,55 @@ def test_every_marked_table_matches_its_csv(tables):
     )
 
 
-def test_the_readme_and_the_benchmarks_page_have_generated_tables(tables):
+def test_the_readme_and_the_benchmarks_page_have_generated_tables_and_figures(tables):
     keys = {table.key for table in tables.marked_tables(tables.documents())}
     assert {"memory_profile.csv highlights", "activation_checkpointing.csv highlights"} <= keys
     assert {"memory_profile.csv", "precision.csv", "plan_vs_sweep.csv"} <= keys
+    assert {"gpu_truth_h200.csv readme", "memory_h200.csv readme", "gpu_truth_h100.csv readme"} <= keys
+    assert {"activation_checkpointing.csv targets", "compile_budget.csv targets", "gpu_truth_h100.csv summary"} <= keys
+
+
+def test_no_figure_is_typed_outside_a_generated_block(tables):
+    typed = tables.typed_figures()
+    assert not typed, "figures typed outside a generated block (generate them, or remove them):\n" + "\n".join(typed)
+
+
+def test_a_typed_figure_is_found_but_not_a_target_code_or_a_generated_one(tables, tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Full checkpointing measured 1.54× on the H200.\n"
+        "Target: ≤ 1.45× step time, `budget=0.5 s`.\n\n"
+        "<!-- figures: fake_vs_real.csv summary -->\n\n3.50× less\n\n<!-- /figures -->\n\n"
+        "```bash\nrun  # 2.5 min\n```\n"
+    )
+    assert tables.typed_figures([page]) == [f"{page}:1 1.54×"]
+
+
+def test_a_figure_in_prose_goes_stale_with_its_csv_and_is_rewritten(tables, tmp_path):
+    page, csv = tmp_path / "page.md", tmp_path / "fake_vs_real.csv"
+    page.write_text("Before.\n\n<!-- figures: fake_vs_real.csv summary -->\n\nstale\n\n<!-- /figures -->\n")
+    csv.write_text("case,precision,fake_over_real\ntiny b2,32-true,1.0\ntiny b2,bf16-mixed,0.99\n")
+    assert tables.rewrite([page], benchmarks=tmp_path) == ([f"{page}:3 fake_vs_real.csv summary"], [])
+    assert "**1.00%** (target 3%), in bf16-mixed on `tiny b2`" in page.read_text()
+    csv.write_text(csv.read_text().replace(",0.99", ",0.98"))
+    assert tables.stale([page], benchmarks=tmp_path) == [f"{page}:3 fake_vs_real.csv summary"]
+    tables.rewrite([page], benchmarks=tmp_path)
+    text = page.read_text()
+    assert "**2.00%**" in text and text.startswith("Before.\n\n<!-- figures: fake_vs_real.csv summary -->\n\n")
+    assert text.endswith("\n\n<!-- /figures -->\n")
+
+
+def test_a_model_timed_at_a_smaller_input_says_so_in_its_label(tables, tmp_path):
+    """The README's checkpointing table: a model whose times were taken at a smaller input than its bytes were
+    counted at carries both sizes in its label (the CSV's note says which)."""
+    rows = ["model,policy,activation_peak_mib,reduction,step_time_ratio,note"]
+    for policy in ("none", "full", "selective", "budget=0.5"):
+        rows.append(f'"tracker (768 tracks)",{policy},1024,2.0,1.1,"timed at 384 tracks: too big for this machine"')
+        rows.append(f'"resnet (batch 8)",{policy},2048,2.0,1.1,')
+    (tmp_path / "activation_checkpointing.csv").write_text("\n".join(rows) + "\n")
+    table = tables.render("activation_checkpointing.csv highlights", tmp_path)
+    labels = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+    assert labels == ["tracker (768 tracks; timed at 384 tracks)", "resnet (batch 8)"]
 
 
 def test_every_registry_entry_resolves_to_a_function(tables):

@@ -34,3 +34,9 @@ def test_python_example_runs_when_shrunk(tmp_path, monkeypatch):
     exec(compile(shrunk, "README.md", "exec"), namespace)
     assert namespace["summary"].summary.steps == 2
     assert sum(p.numel() for p in namespace["r200"].parameters()) == 118_833_920
+
+
+def test_ci_fails_when_pip_check_fails():
+    ci_lines = [line.split("#")[0].strip() for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "set -euo pipefail" in ci_lines
+    assert "python -m pip check" in ci_lines  # whole: nothing like `|| true` after it
