@@ -7,8 +7,10 @@ kept. The arithmetic of these tensors is negligible, so the ratios are the host'
 autograd, dispatch, hooks), which is the same beside a GPU. On an H200 the same kind of run gave
 what the GPU measured at reduced sizes (r50 batch 32: selective 3.50×, full 2.81×).
 
-Targets (issue 38): full within 5 % of torch's; selective no slower than full. ``--check`` exits 1 when
-one is missed. The last rows are the region costs the planner prices (seconds per forward kernel of a wrapped
+Targets (issue 38): full within 5 % of torch's; selective no slower than full (within the 5 % that two runs of
+the same work differ by here: on these tensors selective recomputes in full once its first calls showed that keeping
+the matmuls does not pay; ``selective kept`` keeps them anyway, the cost of the mode itself). ``--check`` exits 1
+when one is missed. The last rows are the region costs the planner prices (seconds per forward kernel of a wrapped
 block, and in this host's kernel times: ``HOST_REGION_SECONDS`` of lightning_memopt/planner/hardware.py).
 
     python benchmarks/host_overhead.py            # ~2 minutes on 2 cores
@@ -26,6 +28,7 @@ from results import add_table_options, markdown_table, printed_table, read_rows,
 from lightning_memopt.planner.host import NARROW_MODELS, host_costs, host_step_seconds
 
 FULL_OVER_TORCH = 1.05  # full may cost at most this much more than torch.utils.checkpoint
+SELECTIVE_OVER_FULL = 1.05  # selective no slower than full, within the noise of two runs of the same work
 
 
 def measure(rounds: int) -> list[dict]:
@@ -66,8 +69,11 @@ def misses(rows: list[dict]) -> list[str]:
             found.append(
                 f"{name}: full {ratio['full']:.2f}× over torch's {ratio['torch']:.2f}× (limit ×{FULL_OVER_TORCH})"
             )
-        if ratio["selective"] > ratio["full"]:
-            found.append(f"{name}: selective {ratio['selective']:.2f}× is slower than full {ratio['full']:.2f}×")
+        if ratio["selective"] > SELECTIVE_OVER_FULL * ratio["full"]:
+            found.append(
+                f"{name}: selective {ratio['selective']:.2f}× is slower than full {ratio['full']:.2f}× "
+                f"(limit ×{SELECTIVE_OVER_FULL})"
+            )
     return found
 
 

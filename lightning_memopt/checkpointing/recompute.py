@@ -57,7 +57,9 @@ def recompute_in_backward(
     parameters of ``state.module`` that require them. Outputs may nest tensors in tuples, lists and
     dicts. The backward cannot itself be differentiated (no double backward). ``selective``: the
     outputs of matmuls, convolutions and attention are kept from the first run and the
-    recomputation runs only the other ops (:class:`~lightning_memopt.checkpointing.selective.KeepExpensive`).
+    recomputation runs only the other ops (:class:`~lightning_memopt.checkpointing.selective.KeepExpensive`); the
+    first such calls time them, and the block's later calls recompute in full where keeping did not pay
+    (:mod:`~lightning_memopt.checkpointing.selective_payoff`).
 
     Raises:
         RuntimeError: on a backward through it with ``create_graph=True`` (it would not be differentiable).
@@ -93,7 +95,7 @@ class _Call:
         self.state, self.forward = state, forward
         self.leaves, self.spec, self.positions = leaves, spec, positions
         self.param_count = param_count
-        self.kept: KeepExpensive | None = KeepExpensive() if selective else None
+        self.kept: KeepExpensive | None = KeepExpensive(timed=state.selective.pays is None) if selective else None
         self.out_leaves: list[Any] = []
         self.out_spec: Any = None
         self.out_positions: list[int] = []
@@ -152,6 +154,8 @@ class _Recompute(torch.autograd.Function):
                 call.rng = None
         else:
             output = call.run(inputs, call.kept)
+        if call.kept is not None and call.kept.timed:  # one of the block's first calls: does keeping pay on it?
+            call.state.selective.decide(call.kept, type(call.state.module).__name__)
         if call.kept is not None and not call.kept.intact():  # changed in place since: recompute them too
             call.kept = None
         # an input returned as it came is a new tensor to autograd (a view), as any other output

@@ -8,12 +8,13 @@ checkpointing for a fraction of its extra time (Korthikanti et al. 2022).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from lightning_memopt.private_api import TorchDispatchMode, tensor_version, tree_map
+from lightning_memopt.private_api import TorchDispatchMode, is_fake, tensor_version, tree_flatten, tree_map
 
 SAVED_OP_NAMES = (
     "mm",
@@ -68,7 +69,8 @@ class KeepExpensive(TorchDispatchMode):
     outputs are handed back in the same order, so autograd records the same graph over the same
     values (gradients bitwise equal) while only the cheap ops run. A kept output changed in place
     later in the first run is no longer what the op made: :meth:`intact` says so, and the caller
-    recomputes everything instead.
+    recomputes everything instead. ``timed``: it also counts the ops it sees and times the kept ones
+    (:meth:`kept_seconds`), for :class:`~lightning_memopt.checkpointing.selective_payoff.SelectivePayoff`.
 
     Example::
 
@@ -82,16 +84,56 @@ class KeepExpensive(TorchDispatchMode):
         (1, True, True)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timed: bool = False) -> None:
         super().__init__()
         self.outputs: list[tuple[Any, Any, list[int]]] = []  # (op, output, the versions of its tensors)
+        self.timed = timed
+        self.ops = 0  # the ops it saw, while timed
+        self._spans: list[Any] = []  # while timed, each kept op's seconds (CPU) or its pair of CUDA events
+        self._untimed = False  # a kept op on fake or meta tensors, or on a device it does not time
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         args, kwargs = _with_logsumexp(func, args, kwargs or {})
-        output = func(*args, **kwargs)
-        if func in SAVED_OPS:
-            self.outputs.append((func, output, [tensor_version(t) for t in _tensors(output)]))
+        if self.timed:
+            self.ops += 1
+        if func not in SAVED_OPS:
+            return func(*args, **kwargs)
+        output = self._timed_call(func, args, kwargs) if self.timed else func(*args, **kwargs)
+        self.outputs.append((func, output, [tensor_version(t) for t in _tensors(output)]))
         return output
+
+    def kept_seconds(self) -> float | None:
+        """While timed: the time the kept ops took (waiting for a CUDA device to finish them); ``None`` where one
+        could not be timed."""
+        if self._untimed:
+            return None
+        seconds = 0.0
+        for span in self._spans:
+            if isinstance(span, float):
+                seconds += span
+            else:
+                start, end = span
+                end.synchronize()
+                seconds += start.elapsed_time(end) / 1e3
+        return seconds
+
+    def _timed_call(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+        device = "meta" if not tensors or any(map(is_fake, tensors)) else tensors[0].device.type
+        if device == "cpu":
+            started = time.perf_counter()
+            output = func(*args, **kwargs)
+            self._spans.append(time.perf_counter() - started)
+            return output
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            output = func(*args, **kwargs)
+            end.record()
+            self._spans.append((start, end))
+            return output
+        self._untimed = True
+        return func(*args, **kwargs)
 
     def intact(self) -> bool:
         """Whether every kept output still holds what its op made (none was changed in place since)."""

@@ -85,7 +85,8 @@ class CheckpointedForward:
         # a profile planning for CUDA on the CPU: the recomputation follows the autocast lists the forward did
         forward = under_lists_of_forward(self._forward)
         if not compiling and reaches_one_input(args, kwargs):
-            return recompute_in_backward(self.state, forward, args, kwargs, selective=self.mode == "selective")
+            selective = self.mode == "selective" and self.state.selective.pays is not False
+            return recompute_in_backward(self.state, forward, args, kwargs, selective=selective)
         options: dict[str, Any] = {"use_reentrant": False}
         options["preserve_rng_state"] = self.state.draws.known(self.module.training) is not False
         if self.mode == "selective":

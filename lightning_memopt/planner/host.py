@@ -6,12 +6,15 @@ is the same on a CPU as beside a GPU, so it is measured here on narrow models wi
 where the arithmetic is negligible: a residual CNN with batch norm and a pre-norm transformer, each
 step timed without checkpointing, with each mode of ours on every block, and with PyTorch's own
 ``torch.utils.checkpoint`` (the anchor), interleaved round by round, the fastest round of each kept.
+``selective`` is the mode as a model gets it: on tensors this small keeping the matmuls does not pay, so
+after its first calls each block is recomputed in full (:mod:`~lightning_memopt.checkpointing.selective_payoff`);
+``selective kept`` keeps them on every call: the cost of the mode itself, which the planner prices.
 
 Example::
 
     >>> ratios = host_step_ratios("cnn", rounds=2)
     >>> sorted(ratios)
-    ['full', 'none', 'offload', 'selective', 'torch']
+    ['full', 'none', 'offload', 'selective', 'selective kept', 'torch']
     >>> ratios["none"]
     1.0
 """
@@ -110,11 +113,22 @@ def _ours(mode: str) -> Wrapper:
     return wrap
 
 
+def _selective_kept(model: nn.Sequential) -> nn.Module:
+    """Selective on every block, keeping the expensive ops even where that does not pay (as it does not on tiny
+    tensors, where ``"selective"`` recomputes in full after its first calls): the cost of the mode itself."""
+    wrapped = _ours("selective")(model)
+    for block in wrapped:
+        block.forward.state.selective.pays = True
+    return wrapped
+
+
+SELECTIVE_KEPT = "selective kept"
 # how each variant treats every block of a narrow model
 WRAPPERS: dict[str, Wrapper] = {
     "none": lambda model: model,
     "torch": lambda model: nn.Sequential(*(TorchCheckpointed(block) for block in model)),
     **{mode: _ours(mode) for mode in CHECKPOINT_MODES},
+    SELECTIVE_KEPT: _selective_kept,
 }
 
 
@@ -199,8 +213,10 @@ def host_costs(rounds: int = 4, blocks: int = 4, wrappers: Mapping[str, Wrapper]
 
 @functools.lru_cache(maxsize=1)
 def measure_host() -> HostCosts:
-    """This host's costs of our modes (:func:`host_costs`), measured once a process."""
-    costs = host_costs()
+    """This host's costs of our modes (:func:`host_costs`), measured once a process. Selective's is the mode's own
+    cost, where it keeps the expensive ops (the planner prices each block's modes and keeps the cheaper)."""
+    priced = {"none": WRAPPERS["none"], "full": WRAPPERS["full"], "offload": WRAPPERS["offload"]}
+    costs = host_costs(wrappers={**priced, "selective": WRAPPERS[SELECTIVE_KEPT]})
     return HostCosts(costs.kernel_seconds, {mode: costs.region_seconds[mode] for mode in CHECKPOINT_MODES})
 
 

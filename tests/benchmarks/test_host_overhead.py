@@ -20,7 +20,13 @@ def test_full_checkpointing_costs_the_host_no_more_than_torch_utils_checkpoint(t
         assert ratio["none"] == 1.0
         assert ratio["full"] <= host_overhead.FULL_OVER_TORCH * ratio["torch"], (name, ratio)
     regions = [row for row in rows if row["variant"].endswith("region per forward kernel")]
-    assert [row["variant"].split(":")[0] for row in regions] == ["torch", "full", "selective", "offload"]
+    assert [row["variant"].split(":")[0] for row in regions] == [
+        "torch",
+        "full",
+        "selective",
+        "offload",
+        "selective kept",
+    ]
     table = host_overhead.table(path)
     assert "| cnn | full |" in table and "region" not in table
 
@@ -34,8 +40,10 @@ def test_the_targets_missed_are_named_with_their_numbers():
     assert host_overhead.misses(rows) == [
         f"{name}: full 2.20× over torch's 2.00× (limit ×1.05)" for name in NARROW_MODELS
     ]
+    rows[-1]["over_none"] = "2.3"  # within the noise of two runs of the same work
+    assert len(host_overhead.misses(rows)) == 2
     rows[-1]["over_none"] = "3.0"
-    assert host_overhead.misses(rows)[-1] == "transformer: selective 3.00× is slower than full 2.20×"
+    assert host_overhead.misses(rows)[-1] == "transformer: selective 3.00× is slower than full 2.20× (limit ×1.05)"
 
 
 def test_host_costs_are_measured_once_per_process():

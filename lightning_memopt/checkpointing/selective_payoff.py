@@ -1,0 +1,102 @@
+"""Whether selective recomputation pays on a block: the time its kept ops save against what its per-op mode costs.
+
+Selective recomputation keeps the outputs of a block's matmuls, convolutions and attention and
+recomputes the rest; to know which is which it runs every op of the block through a Python
+dispatch mode, in the forward and again in the recomputation. On a block of large matmuls the
+kept ops save far more device time than that costs the host; on a block of small ones (a narrow
+CNN, tiny tensors, a host-bound step) the mode costs more than it saves, and full recomputation
+is faster and needs less memory. So a block checkpointed ``"selective"`` times its kept ops on its
+first calls (on the device: CUDA events, or the host's clock on the CPU; the fastest call counts) and compares
+them with ``2 × ops × the mode's cost per op`` (:func:`mode_seconds_per_op`, measured once a process on
+this host); where they save less, the block is recomputed in full from then on, and the log says so
+once per block class. Profiles in fake mode time nothing and keep the mode as asked (the planner
+prices each block's modes itself and never picks a selective block that costs more than full).
+
+Example::
+
+    >>> payoff = SelectivePayoff()
+    >>> for _ in range(TIMED_CALLS):
+    ...     kept = KeepExpensive(timed=True)
+    ...     with kept:
+    ...         _ = (torch.randn(4, 4) @ torch.randn(4, 4)).relu()
+    ...     payoff.decide(kept, "Tiny")
+    >>> payoff.pays  # a 4×4 matmul saves less than the mode costs the host
+    False
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+
+from lightning_memopt.checkpointing.selective import KeepExpensive
+from lightning_memopt.private_api import TorchDispatchMode
+
+log = logging.getLogger(__name__)
+
+
+TIMED_CALLS = 4  # a block's first calls are timed, the fastest counts: the very first pays for warm-ups
+
+
+class SelectivePayoff:
+    """One block's verdict: ``None`` until :data:`TIMED_CALLS` calls were timed, then whether keeping pays."""
+
+    def __init__(self) -> None:
+        self.pays: bool | None = None
+        self._saved: list[float] = []  # each timed call's kept-op seconds
+
+    def decide(self, kept: KeepExpensive, block: str) -> None:
+        """Count a timed :class:`~lightning_memopt.checkpointing.selective.KeepExpensive` run of the block (named
+        ``block`` in the log), and decide after the last; a run that could not be timed (fake or meta tensors)
+        counts nothing."""
+        saved = kept.kept_seconds()
+        if saved is None:
+            return
+        self._saved.append(saved)
+        if len(self._saved) < TIMED_CALLS:
+            return
+        saved, cost = min(self._saved), 2 * kept.ops * mode_seconds_per_op()
+        self.pays = saved > cost
+        if not self.pays:
+            _log_full_instead(block, saved, cost)
+
+
+@functools.lru_cache(maxsize=1)
+def mode_seconds_per_op(ops: int = 200, rounds: int = 7) -> float:
+    """This host's extra time per op under a pass-through Python dispatch mode (the fastest of ``rounds``)."""
+    x = torch.ones(4)
+
+    def run() -> float:
+        started = time.perf_counter()
+        for _ in range(ops):
+            x.add(1.0)
+        return time.perf_counter() - started
+
+    plain = min(run() for _ in range(rounds))
+    with _PassThrough():
+        moded = min(run() for _ in range(rounds))
+    return max(moded - plain, 0.0) / ops
+
+
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN201
+        return func(*args, **(kwargs or {}))
+
+
+_logged: set[str] = set()  # the block classes already named in the log
+
+
+def _log_full_instead(block: str, saved: float, cost: float) -> None:
+    if block in _logged:
+        return
+    _logged.add(block)
+    log.info(
+        "selective checkpointing: %s is recomputed in full: its matmuls, convolutions and attention take %.3g ms a "
+        "call, less than the %.3g ms its per-op replay costs the host (full is then faster and needs less memory)",
+        block,
+        saved * 1e3,
+        cost * 1e3,
+    )
