@@ -1,6 +1,7 @@
 """gpu_truth.py's time rows: a step under each checkpointing policy and precision, and MemoryMonitor's overhead.
 
-Variants run side by side in one process, interleaved round by round after one untimed warm-up round;
+Variants run side by side in one process, interleaved round by round after one untimed warm-up round
+(selective's: its timed calls, after which each block keeps its expensive ops or recomputes in full);
 each variant's fastest step is compared with the baseline's (ratios: absolute times are noise).
 
 Example::
@@ -27,6 +28,7 @@ from lightning_memopt.checkpointing import (
     release_offload_buffers,
     remove_activation_checkpointing,
 )
+from lightning_memopt.checkpointing.selective_payoff import TIMED_CALLS
 from lightning_memopt.memory.figures import CPU_FIGURES, CUDA_FIGURES
 from lightning_memopt.memory.step_parts import quiet_logging, training_step_fn
 from lightning_memopt.planner.step_time import predicted_step_costs
@@ -118,9 +120,12 @@ def step_time_rows(device: TruthDevice, case: Case, rounds: int, targeted: bool 
             remove_activation_checkpointing(module)
             if policy is not None:
                 apply_activation_checkpointing(module, policy)
-            seconds, held = _timed_step(device, module, batch, precision)
+            # round 0 warms every variant up; selective's blocks through their timed calls, which decide per block
+            # whether keeping pays (the verdict outlives the re-wrapping)
+            for _ in range(1 if round_index or policy != "selective" else TIMED_CALLS):
+                seconds, held = _timed_step(device, module, batch, precision)
             offloaded = max(offloaded, held)
-            if round_index:  # round 0 warms every variant up
+            if round_index:
                 times[name].append(seconds)
     remove_activation_checkpointing(module)
     del module, batch

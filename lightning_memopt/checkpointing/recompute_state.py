@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memopt.checkpointing.selective_payoff import SelectivePayoff
+from lightning_memopt.checkpointing.selective_payoff import payoff_of
 from lightning_memopt.private_api import assign_buffer, disable_current_modes, is_batch_norm, tree_flatten
 
 
@@ -118,7 +118,7 @@ class RecomputeState:
         self.module = module
         self.norm_stats = ScratchNormStats(module)
         self.draws = RandomDraws()
-        self.selective = SelectivePayoff()  # whether keeping its expensive ops pays, once its first calls are timed
+        self.selective = payoff_of(module)  # whether keeping its expensive ops pays, once its first calls are timed
         self._owners: list[tuple[nn.Module, str]] | None = None
 
     def parameters(self) -> list[torch.Tensor]:

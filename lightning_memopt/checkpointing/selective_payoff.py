@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 
 import torch
 
@@ -62,6 +63,17 @@ class SelectivePayoff:
         self.pays = saved > cost
         if not self.pays:
             _log_full_instead(block, saved, cost)
+
+
+_verdicts: weakref.WeakKeyDictionary[torch.nn.Module, SelectivePayoff] = weakref.WeakKeyDictionary()
+
+
+def payoff_of(module: torch.nn.Module) -> SelectivePayoff:
+    """The verdict of ``module``: one per module, kept when its checkpointing is removed and applied again."""
+    verdict = _verdicts.get(module)
+    if verdict is None:
+        verdict = _verdicts[module] = SelectivePayoff()
+    return verdict
 
 
 @functools.lru_cache(maxsize=1)

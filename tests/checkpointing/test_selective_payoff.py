@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lightning_memopt.checkpointing import apply_activation_checkpointing, recompute
+from lightning_memopt.checkpointing import apply_activation_checkpointing, recompute, remove_activation_checkpointing
 from lightning_memopt.checkpointing import selective_payoff as payoff
 from lightning_memopt.checkpointing.selective import KeepExpensive
 from lightning_memopt.checkpointing.selective_payoff import TIMED_CALLS, SelectivePayoff
@@ -109,3 +109,15 @@ def test_cuda_blocks_are_timed_on_the_device():
         for _ in range(TIMED_CALLS):
             wrapped(x).square().sum().backward()
         assert _verdicts(wrapped) == [pays], width
+
+
+def test_the_verdict_outlives_removing_and_applying_the_checkpointing_again(monkeypatch):
+    _, wrapped = _selective(width=8, blocks=1)
+    x = torch.randn(4, 8)
+    for _ in range(TIMED_CALLS):
+        wrapped(x).sum().backward()
+    remove_activation_checkpointing(wrapped)
+    apply_activation_checkpointing(wrapped, {"modules": ["0"], "mode": "selective"})
+    made = _keeps_counted(monkeypatch)
+    wrapped(x).sum().backward()
+    assert _verdicts(wrapped) == [False] and not made
