@@ -11,7 +11,7 @@ host_overhead = load_benchmark("host_overhead")
 
 
 @pytest.mark.slow  # ~40 s: every variant of both narrow models, interleaved (CI runs it after the default run)
-def test_full_checkpointing_costs_the_host_no_more_than_torch_utils_checkpoint(tmp_path):
+def test_full_costs_the_host_no_more_than_torch_utils_checkpoint_and_selective_no_more_than_full(tmp_path):
     path = tmp_path / "host.csv"
     assert host_overhead.main(["--quick", "--csv", str(path)]) == 0
     rows = host_overhead.read_rows(path)
@@ -19,6 +19,7 @@ def test_full_checkpointing_costs_the_host_no_more_than_torch_utils_checkpoint(t
         ratio = {row["variant"]: float(row["over_none"]) for row in rows if row["model"] == name}
         assert ratio["none"] == 1.0
         assert ratio["full"] <= host_overhead.FULL_OVER_TORCH * ratio["torch"], (name, ratio)
+        assert ratio["selective"] <= host_overhead.SELECTIVE_OVER_FULL * ratio["full"], (name, ratio)
     regions = [row for row in rows if row["variant"].endswith("region per forward kernel")]
     assert [row["variant"].split(":")[0] for row in regions] == [
         "torch",
