@@ -160,14 +160,15 @@ def powersgd_compresses(rows: int, columns: int, rank: int, min_compression_rate
     return bool(powerSGD_hook._should_compress(rows, columns, rank, min_compression_rate)[0])
 
 
-def record_cuda_memory_history(enabled: bool, max_entries: int = 100_000) -> None:
-    """Start (or stop) the CUDA allocator's history, what an OOM snapshot shows.
+def record_cuda_memory_history(enabled: bool, max_entries: int = 100_000, stacks: str = "all") -> None:
+    """Start (or stop) the CUDA allocator's history, what an OOM snapshot shows; ``stacks="python"`` records no
+    C++ frames.
 
     missing: a public name; ``torch.cuda.memory._record_memory_history`` is the API the PyTorch memory
     snapshot guide documents.
     """
     if enabled:
-        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks=stacks)
     else:
         torch.cuda.memory._record_memory_history(enabled=None)
 

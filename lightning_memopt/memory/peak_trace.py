@@ -1,0 +1,88 @@
+"""What was live at a CUDA run's peak: the allocator's recorded trace replayed, its live blocks grouped by the code
+that made them.
+
+Record the allocator's history around the run (``torch.cuda.memory._record_memory_history``, through
+:func:`~lightning_memopt.private_api.record_cuda_memory_history`), take the snapshot, and
+:func:`live_at_peak` replays the device's trace — ``alloc`` adds a block's bytes, ``free_completed`` takes them
+away, as the allocator's count of allocated bytes does — to the moment the most bytes were allocated, then groups
+the blocks live there by the first Python frame of each block's stack outside PyTorch's own files: the line of
+model or library code that asked for it. Where a prediction misses the allocator, this says which tensors the prediction
+did not see.
+
+Example::
+
+    >>> frames = [{"filename": "/x/torch/nn/functional.py", "line": 9, "name": "conv2d"},
+    ...           {"filename": "/x/model.py", "line": 12, "name": "forward"}]
+    >>> trace = [{"action": "alloc", "addr": 1, "size": 512, "frames": frames},
+    ...          {"action": "alloc", "addr": 2, "size": 256, "frames": frames[1:]},
+    ...          {"action": "free_completed", "addr": 1, "size": 512},
+    ...          {"action": "alloc", "addr": 3, "size": 128, "frames": []}]
+    >>> peak, groups = live_at_peak({"device_traces": [trace]})
+    >>> peak, [(group.where, group.bytes, group.blocks) for group in groups]
+    (768, [('/x/model.py:12 forward', 768, 2)])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+TORCH_FILES = ("/torch/", "\\torch\\")  # frames inside PyTorch itself, skipped to reach the code that asked
+
+
+@dataclass(frozen=True)
+class PeakGroup:
+    """Blocks live at the peak that one line of code allocated: where, their bytes, how many."""
+
+    where: str
+    bytes: int
+    blocks: int
+
+
+def live_at_peak(snapshot: Mapping[str, Any], device: int = 0, top: int = 8) -> tuple[int, list[PeakGroup]]:
+    """The most bytes allocated at once in ``snapshot``'s trace of ``device``, and the ``top`` groups of blocks live
+    then, largest first (blocks allocated before the history started are not in the trace, so not counted)."""
+    live: dict[int, Mapping[str, Any]] = {}
+    allocated = peak = 0
+    at_peak: list[Mapping[str, Any]] = []
+    for event in snapshot["device_traces"][device]:
+        action = event["action"]
+        if action == "alloc":
+            live[event["addr"]] = event
+            allocated += event["size"]
+            if allocated > peak:
+                peak, at_peak = allocated, list(live.values())
+        elif action == "free_completed" and live.pop(event["addr"], None) is not None:
+            allocated -= event["size"]
+    groups: dict[str, list[int]] = {}
+    for event in at_peak:
+        sizes = groups.setdefault(_where(event.get("frames", ())), [])
+        sizes.append(event["size"])
+    ranked = sorted((PeakGroup(where, sum(sizes), len(sizes)) for where, sizes in groups.items()), key=_largest)
+    return peak, ranked[:top]
+
+
+def describe(groups: Sequence[PeakGroup]) -> str:
+    """One line: ``"model.py:12 forward 512.0 MiB ×3; …"``.
+
+    Example::
+
+        >>> describe([PeakGroup("/x/model.py:12 forward", 3 * 2**20, 3)])
+        'model.py:12 forward 3.0 MiB ×3'
+    """
+    return "; ".join(
+        f"{group.where.rsplit('/', 1)[-1]} {group.bytes / 2**20:.1f} MiB ×{group.blocks}" for group in groups
+    )
+
+
+def _where(frames: Sequence[Mapping[str, Any]]) -> str:
+    for frame in frames:
+        filename = frame["filename"]
+        if filename.endswith(".py") and not any(part in filename for part in TORCH_FILES):  # no C++ frame
+            return f"{filename}:{frame['line']} {frame['name']}"
+    return "(no Python frame outside torch)"
+
+
+def _largest(group: PeakGroup) -> tuple[int, str]:
+    return -group.bytes, group.where
