@@ -36,6 +36,7 @@ from lightning_memopt.vocabulary import GIB
 # (precision, checkpointing policy): fp32 and bf16-mixed, without and with the preset's blocks checkpointed
 VARIANTS = (("32-true", None), ("32-true", "preset"), ("bf16-mixed", None), ("bf16-mixed", "preset"))
 PREDICTION_TOLERANCE = 0.05  # a prediction more than 5% off the allocator's peak fails the run
+TRACE_ENTRIES = 2_000_000  # the allocator's history kept to explain a missed prediction
 ACTIVATION_CUT = 0.5  # the planner's device: the model states and half the rest of the unchecked fp32 peak
 
 
@@ -107,14 +108,17 @@ def measured_peak(
 def peak_breakdown(device: TruthDevice, case: Case, precision: str, policy: str | None) -> str:
     """Where a CUDA step's real peak came from: :func:`measured_peak` run again with the allocator's history on,
     the blocks live at its peak grouped by the line of code that allocated them (for a prediction that missed)."""
-    record_cuda_memory_history(True, max_entries=2_000_000, stacks="python")
+    record_cuda_memory_history(True, max_entries=TRACE_ENTRIES, stacks="python")
     try:
         measured_peak(device, case, precision, policy)
         snapshot = cuda_memory_snapshot(device.device)
     finally:
         record_cuda_memory_history(False)
-    peak, groups = live_at_peak(snapshot, device.device.index or 0, top=6)
-    return f"live at the real peak ({peak / 2**20:.1f} MiB traced): {describe(groups)}"
+    index = device.device.index or 0
+    truncated = len(snapshot["device_traces"][index]) >= TRACE_ENTRIES  # the first events were dropped
+    peak, groups = live_at_peak(snapshot, index, top=6)
+    traced = f"{peak / 2**20:.1f} MiB traced{', the trace truncated' if truncated else ''}"
+    return f"live at the real peak ({traced}): {describe(groups)}"
 
 
 def _variant(precision: str, policy: str | None) -> str:

@@ -154,10 +154,12 @@ class _Recompute(torch.autograd.Function):
                 call.rng = None
         else:
             output = call.run(inputs, call.kept)
-        if call.kept is not None and call.kept.timed:  # one of the block's first calls: does keeping pay on it?
-            call.state.selective.decide(call.kept, type(call.state.module).__name__)
-        if call.kept is not None and not call.kept.intact():  # changed in place since: recompute them too
-            call.kept = None
+        if call.kept is not None:
+            intact = call.kept.intact()  # a kept output changed in place since is no longer the op's: recompute all
+            if call.kept.timed:  # one of the block's first calls: does keeping pay on it?
+                call.state.selective.decide(call.kept, type(call.state.module), used=intact)
+            if not intact:
+                call.kept = None
         # an input returned as it came is a new tensor to autograd (a view), as any other output
         outputs = tuple(
             out.view_as(out) if any(out is x for x in inputs) else out for out in call.keep_structure(output)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memopt.checkpointing.selective_payoff import payoff_of
+from lightning_memopt.checkpointing.selective_payoff import SelectivePayoff, payoff_of
 from lightning_memopt.private_api import assign_buffer, disable_current_modes, is_batch_norm, tree_flatten
 
 
@@ -118,8 +118,13 @@ class RecomputeState:
         self.module = module
         self.norm_stats = ScratchNormStats(module)
         self.draws = RandomDraws()
-        self.selective = payoff_of(module)  # whether keeping its expensive ops pays, once its first calls are timed
         self._owners: list[tuple[nn.Module, str]] | None = None
+
+    @property
+    def selective(self) -> SelectivePayoff:
+        """Whether keeping the block's expensive ops pays, once its first selective calls are timed (the module's
+        verdict: a copied model's blocks start afresh)."""
+        return payoff_of(self.module)
 
     def parameters(self) -> list[torch.Tensor]:
         """The block's parameters that require gradients now."""

@@ -125,11 +125,12 @@ class KeepExpensive(TorchDispatchMode):
             output = func(*args, **kwargs)
             self._spans.append(time.perf_counter() - started)
             return output
-        if device == "cuda":
+        if device == "cuda" and not torch.cuda.is_current_stream_capturing():
+            stream = torch.cuda.current_stream(tensors[0].device)  # the tensors' device, current or not
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             output = func(*args, **kwargs)
-            end.record()
+            end.record(stream)
             self._spans.append((start, end))
             return output
         self._untimed = True

@@ -7,10 +7,15 @@ kept ops save far more device time than that costs the host; on a block of small
 CNN, tiny tensors, a host-bound step) the mode costs more than it saves, and full recomputation
 is faster and needs less memory. So a block checkpointed ``"selective"`` times its kept ops on its
 first calls (on the device: CUDA events, or the host's clock on the CPU; the fastest call counts) and compares
-them with ``2 × ops × the mode's cost per op`` (:func:`mode_seconds_per_op`, measured once a process on
+them with ``ops × the two modes' cost per op`` (:func:`mode_seconds_per_op`, measured once a process on
 this host); where they save less, the block is recomputed in full from then on, and the log says so
 once per block class. Profiles in fake mode time nothing and keep the mode as asked (the planner
 prices each block's modes itself and never picks a selective block that costs more than full).
+
+The verdict is a module's, made once: a later change of precision, micro-batch size or input shape does not
+revisit it. Blocks that go through ``torch.utils.checkpoint`` instead (several inputs taking gradients, or
+under ``torch.compile``) keep their expensive ops as asked, with no verdict. On a GPU the saving is device
+time and the cost host time: exact where the host sets the step's pace, cautious where the device does.
 
 Example::
 
@@ -19,13 +24,14 @@ Example::
     ...     kept = KeepExpensive(timed=True)
     ...     with kept:
     ...         _ = (torch.randn(4, 4) @ torch.randn(4, 4)).relu()
-    ...     payoff.decide(kept, "Tiny")
+    ...     payoff.decide(kept, torch.nn.Linear)
     >>> payoff.pays  # a 4×4 matmul saves less than the mode costs the host
     False
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -49,66 +55,66 @@ class SelectivePayoff:
         self.pays: bool | None = None
         self._saved: list[float] = []  # each timed call's kept-op seconds
 
-    def decide(self, kept: KeepExpensive, block: str) -> None:
-        """Count a timed :class:`~lightning_memopt.checkpointing.selective.KeepExpensive` run of the block (named
-        ``block`` in the log), and decide after the last; a run that could not be timed (fake or meta tensors)
-        counts nothing."""
+    def decide(self, kept: KeepExpensive, block: type, used: bool = True) -> None:
+        """Count a timed :class:`~lightning_memopt.checkpointing.selective.KeepExpensive` run of a block of class
+        ``block``, and decide after the last; ``used``: the recomputation replays what it kept (not when a kept
+        output was changed in place: then it saved nothing). A run that could not be timed (fake or meta tensors,
+        a CUDA graph being captured) counts nothing."""
         saved = kept.kept_seconds()
         if saved is None:
             return
-        self._saved.append(saved)
+        self._saved.append(saved if used else 0.0)
         if len(self._saved) < TIMED_CALLS:
             return
-        saved, cost = min(self._saved), 2 * kept.ops * mode_seconds_per_op()
+        saved, cost = min(self._saved), kept.ops * mode_seconds_per_op()
         self.pays = saved > cost
         if not self.pays:
             _log_full_instead(block, saved, cost)
 
 
-_verdicts: weakref.WeakKeyDictionary[torch.nn.Module, SelectivePayoff] = weakref.WeakKeyDictionary()
+_verdicts: dict[int, SelectivePayoff] = {}  # by id(module): modules need not be hashable
 
 
 def payoff_of(module: torch.nn.Module) -> SelectivePayoff:
-    """The verdict of ``module``: one per module, kept when its checkpointing is removed and applied again."""
-    verdict = _verdicts.get(module)
+    """The verdict of ``module``: one per module object, kept when its checkpointing is removed and applied again
+    (a copy of the module starts afresh)."""
+    verdict = _verdicts.get(id(module))
     if verdict is None:
-        verdict = _verdicts[module] = SelectivePayoff()
+        verdict = _verdicts[id(module)] = SelectivePayoff()
+        weakref.finalize(module, _verdicts.pop, id(module), None)
     return verdict
 
 
 @functools.lru_cache(maxsize=1)
 def mode_seconds_per_op(ops: int = 200, rounds: int = 7) -> float:
-    """This host's extra time per op under a pass-through Python dispatch mode (the fastest of ``rounds``)."""
+    """This host's extra time per op of selective's two dispatch modes together: the first run's
+    (:class:`~lightning_memopt.checkpointing.selective.KeepExpensive`) and the replay's (the fastest of ``rounds``)."""
     x = torch.ones(4)
 
-    def run() -> float:
+    def run(mode: TorchDispatchMode | None = None) -> float:
         started = time.perf_counter()
-        for _ in range(ops):
-            x.add(1.0)
+        with mode if mode is not None else contextlib.nullcontext():
+            for _ in range(ops):
+                x.add(1.0)
         return time.perf_counter() - started
 
     plain = min(run() for _ in range(rounds))
-    with _PassThrough():
-        moded = min(run() for _ in range(rounds))
-    return max(moded - plain, 0.0) / ops
+    kept = min(run(KeepExpensive()) for _ in range(rounds))
+    replayed = min(run(KeepExpensive().replay()) for _ in range(rounds))
+    return max(kept + replayed - 2 * plain, 0.0) / ops
 
 
-class _PassThrough(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN201
-        return func(*args, **(kwargs or {}))
+_logged: set[type] = set()  # the block classes already named in the log
 
 
-_logged: set[str] = set()  # the block classes already named in the log
-
-
-def _log_full_instead(block: str, saved: float, cost: float) -> None:
+def _log_full_instead(block: type, saved: float, cost: float) -> None:
     if block in _logged:
         return
     _logged.add(block)
     log.info(
         "selective checkpointing: %s is recomputed in full: its matmuls, convolutions and attention take %.3g ms a "
         "call, less than the %.3g ms its per-op replay costs the host (full is then faster and needs less memory)",
-        block,
+        block.__name__,
         saved * 1e3,
         cost * 1e3,
     )

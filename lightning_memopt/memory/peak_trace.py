@@ -3,7 +3,7 @@ that made them.
 
 Record the allocator's history around the run (``torch.cuda.memory._record_memory_history``, through
 :func:`~lightning_memopt.private_api.record_cuda_memory_history`), take the snapshot, and
-:func:`live_at_peak` replays the device's trace — ``alloc`` adds a block's bytes, ``free_completed`` takes them
+:func:`live_at_peak` replays the device's trace — ``alloc`` adds a block's bytes, ``free_requested`` takes them
 away, as the allocator's count of allocated bytes does — to the moment the most bytes were allocated, then groups
 the blocks live there by the first Python frame of each block's stack outside PyTorch's own files: the line of
 model or library code that asked for it. Where a prediction misses the allocator, this says which tensors the prediction
@@ -13,13 +13,13 @@ Example::
 
     >>> frames = [{"filename": "/x/torch/nn/functional.py", "line": 9, "name": "conv2d"},
     ...           {"filename": "/x/model.py", "line": 12, "name": "forward"}]
-    >>> trace = [{"action": "alloc", "addr": 1, "size": 512, "frames": frames},
-    ...          {"action": "alloc", "addr": 2, "size": 256, "frames": frames[1:]},
-    ...          {"action": "free_completed", "addr": 1, "size": 512},
-    ...          {"action": "alloc", "addr": 3, "size": 128, "frames": []}]
+    >>> trace = [{"action": "alloc", "addr": 1, "size": 1024, "frames": frames},
+    ...          {"action": "alloc", "addr": 2, "size": 256, "frames": frames[1:]},  # counted as 512
+    ...          {"action": "free_requested", "addr": 1, "size": 1024},
+    ...          {"action": "alloc", "addr": 3, "size": 512, "frames": []}]
     >>> peak, groups = live_at_peak({"device_traces": [trace]})
     >>> peak, [(group.where, group.bytes, group.blocks) for group in groups]
-    (768, [('/x/model.py:12 forward', 768, 2)])
+    (1536, [('/x/model.py:12 forward', 1536, 2)])
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+ALLOCATOR_ROUNDING = 512  # the caching allocator's smallest block and granularity
 TORCH_FILES = ("/torch/", "\\torch\\")  # frames inside PyTorch itself, skipped to reach the code that asked
 
 
@@ -42,23 +43,33 @@ class PeakGroup:
 
 def live_at_peak(snapshot: Mapping[str, Any], device: int = 0, top: int = 8) -> tuple[int, list[PeakGroup]]:
     """The most bytes allocated at once in ``snapshot``'s trace of ``device``, and the ``top`` groups of blocks live
-    then, largest first (blocks allocated before the history started are not in the trace, so not counted)."""
-    live: dict[int, Mapping[str, Any]] = {}
+    then, largest first.
+
+    Bytes are counted as the allocator counts ``allocated``: a block from its ``alloc`` to its ``free_requested``
+    (its bytes are no longer allocated once freed, even while another stream still uses them), each rounded up to
+    the allocator's 512 bytes. Blocks allocated before the history started are not in the trace, so not counted.
+    """
+    trace = snapshot["device_traces"][device]
+    sizes: dict[int, int] = {}
     allocated = peak = 0
-    at_peak: list[Mapping[str, Any]] = []
-    for event in snapshot["device_traces"][device]:
-        action = event["action"]
-        if action == "alloc":
-            live[event["addr"]] = event
-            allocated += event["size"]
+    peak_index = -1
+    for index, event in enumerate(trace):  # first pass: when the peak was
+        if event["action"] == "alloc":
+            sizes[event["addr"]] = _rounded(event["size"])
+            allocated += sizes[event["addr"]]
             if allocated > peak:
-                peak, at_peak = allocated, list(live.values())
-        elif action == "free_completed" and live.pop(event["addr"], None) is not None:
-            allocated -= event["size"]
+                peak, peak_index = allocated, index
+        elif event["action"] == "free_requested" and event["addr"] in sizes:
+            allocated -= sizes.pop(event["addr"])
+    live: dict[int, Mapping[str, Any]] = {}
+    for event in trace[: peak_index + 1]:  # second pass: what was live then
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_requested":
+            live.pop(event["addr"], None)
     groups: dict[str, list[int]] = {}
-    for event in at_peak:
-        sizes = groups.setdefault(_where(event.get("frames", ())), [])
-        sizes.append(event["size"])
+    for event in live.values():
+        groups.setdefault(_where(event.get("frames", ())), []).append(_rounded(event["size"]))
     ranked = sorted((PeakGroup(where, sum(sizes), len(sizes)) for where, sizes in groups.items()), key=_largest)
     return peak, ranked[:top]
 
@@ -82,6 +93,10 @@ def _where(frames: Sequence[Mapping[str, Any]]) -> str:
         if filename.endswith(".py") and not any(part in filename for part in TORCH_FILES):  # no C++ frame
             return f"{filename}:{frame['line']} {frame['name']}"
     return "(no Python frame outside torch)"
+
+
+def _rounded(size: int) -> int:
+    return max(ALLOCATOR_ROUNDING, -(-size // ALLOCATOR_ROUNDING) * ALLOCATOR_ROUNDING)
 
 
 def _largest(group: PeakGroup) -> tuple[int, str]:

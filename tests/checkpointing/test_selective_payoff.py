@@ -53,6 +53,7 @@ def _keeps_counted(monkeypatch) -> list[KeepExpensive]:
 def test_tiny_blocks_fall_back_to_full_after_their_timed_calls_with_the_plain_steps_gradients(monkeypatch, caplog):
     plain, wrapped = _selective(width=8)
     made = _keeps_counted(monkeypatch)
+    monkeypatch.setattr(payoff, "_logged", set())
     x = torch.randn(4, 8)
     with caplog.at_level(logging.INFO, logger=payoff.__name__):
         for step in range(TIMED_CALLS + 2):
@@ -79,7 +80,7 @@ def test_blocks_of_large_matmuls_keep_them():
 
 
 @pytest.mark.parametrize(("seconds_per_op", "pays"), [(0.0, True), (1.0, False)])
-def test_the_verdict_weighs_the_kept_ops_time_against_twice_the_ops_mode_cost(monkeypatch, seconds_per_op, pays):
+def test_the_verdict_weighs_the_kept_ops_time_against_the_ops_times_the_modes_cost(monkeypatch, seconds_per_op, pays):
     monkeypatch.setattr(payoff, "mode_seconds_per_op", lambda: seconds_per_op)
     verdict = SelectivePayoff()
     for call in range(TIMED_CALLS):
@@ -87,7 +88,7 @@ def test_the_verdict_weighs_the_kept_ops_time_against_twice_the_ops_mode_cost(mo
         with kept:
             torch.randn(4, 4) @ torch.randn(4, 4)
         assert kept.ops == 3 and len(kept.outputs) == 1 and kept.kept_seconds() > 0  # two randn, one mm
-        verdict.decide(kept, "Block")
+        verdict.decide(kept, nn.Linear)
         assert verdict.pays is (pays if call == TIMED_CALLS - 1 else None)
 
 
@@ -121,3 +122,37 @@ def test_the_verdict_outlives_removing_and_applying_the_checkpointing_again(monk
     made = _keeps_counted(monkeypatch)
     wrapped(x).sum().backward()
     assert _verdicts(wrapped) == [False] and not made
+
+
+class InPlace(nn.Module):
+    """Changes its matmul's output in place: what the first run kept is no longer what the op made."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu_(self.up(x)))
+
+
+def test_a_block_that_changes_a_kept_output_in_place_saved_nothing_and_is_recomputed_in_full(monkeypatch):
+    monkeypatch.setattr(payoff, "mode_seconds_per_op", lambda: 0.0)  # keeping would pay, were anything kept
+    torch.manual_seed(0)
+    plain = nn.Sequential(InPlace(384))
+    wrapped = copy.deepcopy(plain)
+    apply_activation_checkpointing(wrapped, {"modules": ["0"], "mode": "selective"})
+    x = torch.randn(64, 384)
+    for _ in range(TIMED_CALLS):
+        for model in (plain, wrapped):
+            model.zero_grad()
+            model(x).square().sum().backward()
+        assert torch.equal(plain[0].up.weight.grad, wrapped[0].up.weight.grad)
+    assert _verdicts(wrapped) == [False]
+
+
+def test_a_copy_of_a_decided_model_decides_afresh():
+    _, wrapped = _selective(width=8)
+    for _ in range(TIMED_CALLS):
+        wrapped(torch.randn(4, 8)).sum().backward()
+    assert _verdicts(wrapped) == [False, False]
+    assert _verdicts(copy.deepcopy(wrapped)) == [None, None]
