@@ -98,7 +98,6 @@ class MemoptDDPStrategy(DDPStrategy):
         }
         self.comm_state: Any = None
         self.comm_hook: Any = None
-        self._object_group: Any = None  # gloo: PowerSGD states gathered in host memory, also under NCCL
         self._saved_powersgd: list[dict[str, Any]] | None = None
 
     @override
@@ -134,10 +133,12 @@ class MemoptDDPStrategy(DDPStrategy):
         Weights-only checkpoints (no optimizer state) leave it out.
         """
         if self.comm_hook_name == "powersgd" and self.comm_hook is not None and "optimizer_states" in checkpoint:
-            if self._object_group is None:  # every rank saves at the same point: made here, kept until teardown
-                self._object_group = dist.new_group(backend="gloo")
             states: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
-            dist.gather_object(self.comm_hook.state_dict(), states, dst=0, group=self._object_group)
+            group = dist.new_group(backend="gloo", timeout=self._timeout)  # every rank saves at the same point
+            try:
+                dist.gather_object(self.comm_hook.state_dict(), states, dst=0, group=group)
+            finally:
+                dist.destroy_process_group(group)  # none left behind: a process may run many fits
             if self.is_global_zero:
                 checkpoint = {**checkpoint, POWERSGD_KEY: states}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -151,9 +152,6 @@ class MemoptDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._saved_powersgd = None  # a state loaded by validate / test must not reach a later fit
-        if self._object_group is not None:  # one more gloo group per fit would pile up over a process's fits
-            dist.destroy_process_group(self._object_group)
-            self._object_group = None
         super().teardown()
 
     def _restore_powersgd(self) -> None:
