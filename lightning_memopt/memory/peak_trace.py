@@ -6,8 +6,8 @@ Record the allocator's history around the run (``torch.cuda.memory._record_memor
 :func:`live_at_peak` replays the device's trace — ``alloc`` adds a block's bytes, ``free_requested`` takes them
 away, as the allocator's count of allocated bytes does — to the moment the most bytes were allocated, then groups
 the blocks live there by the first Python frame of each block's stack outside PyTorch's own files: the line of
-model or library code that asked for it. Where a prediction misses the allocator, this says which tensors the prediction
-did not see.
+model or library code that asked for it. Where a prediction misses the allocator, this says which tensors the
+prediction did not see.
 
 Example::
 
@@ -70,7 +70,7 @@ def live_at_peak(snapshot: Mapping[str, Any], device: int = 0, top: int = 8) -> 
     groups: dict[str, list[int]] = {}
     for event in live.values():
         groups.setdefault(_where(event.get("frames", ())), []).append(_rounded(event["size"]))
-    ranked = sorted((PeakGroup(where, sum(sizes), len(sizes)) for where, sizes in groups.items()), key=_largest)
+    ranked = sorted((PeakGroup(where, sum(blocks), len(blocks)) for where, blocks in groups.items()), key=_largest)
     return peak, ranked[:top]
 
 

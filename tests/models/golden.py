@@ -13,6 +13,10 @@ model and compares. The generator outside the repository imports this module, so
     ([(4, 2, 3, 3), (4,), ()], True)
     >>> torch.equal(drawn["conv.weight"], draw_official_state_dict(tensors, seed=0)["conv.weight"])
     True
+    >>> torch.equal(golden_tensor(stored_tensor(drawn["conv.weight"])), drawn["conv.weight"].double())  # round trip
+    True
+    >>> tensor_specs(drawn)[2]
+    ['bn.num_batches_tracked', [], 'int64']
     >>> same_shaped_layer_pairs([["a.weight", [4, 4], "float32"], ["b.weight", [4, 4], "float32"],
     ...                          ["c.weight", [4, 2], "float32"]])
     [('a', 'b')]
