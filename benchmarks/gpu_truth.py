@@ -13,6 +13,9 @@ and its driver in the first row; both files are rewritten after each section):
   beside the planner's predicted ratio; at the sizes that keep the GPU busy, issue 38's targets are checked (full
   ≤ 1.38×, selective ≤ 1.10× and no slower than full, offload ≤ 1.15 × the larger of the unchecked step and the
   offloaded bytes over the host link's measured rate out plus in).
+- host: the narrow models of ``lightning_memopt.planner.host`` (tiny kernels: the host sets the step's time) on
+  this device and on this machine's CPU, each mode over none, beside the ratio the planner prices; and this CPU's
+  Python work per wrapped block over the catalogue's (measured on the CI machine): how fast this GPU's host is.
 - monitor: MemoryMonitor's allocator figures, and a fit's time with it over without.
 - oom recovery: a device capped between the whole batch's peak and half's; AdaptiveAccumulation must recover
   with the gradients of the whole batch.
@@ -60,6 +63,7 @@ from results import Spread, models_by_variant, prose, read_rows, write_csv
 from truth_allocator import allocator_rows
 from truth_cases import SUITES
 from truth_device import TruthDevice
+from truth_host import host_rows
 from truth_memory import PREDICTION_TOLERANCE, margin_row, planned_row, prediction_rows, smallest_device_rows
 from truth_recovery import cuda_tests_row, overflow_row, recovery_row
 from truth_reference import reference_rows
@@ -130,6 +134,7 @@ def measure(
             for r in step_time_rows(device, case, suite.rounds, targeted=case in suite.speed_targets)
         ],
     )
+    section("host", lambda: host_rows(device, suite.rounds))
     section("monitor", lambda: monitor_rows(device, suite.monitor, suite.monitor_steps, suite.rounds))
     section("oom recovery", lambda: [recovery_row(device, suite.recovery)])
     section("overflow", lambda: [overflow_row(device, suite.overflow)])

@@ -142,30 +142,41 @@ def host_step_seconds(
     steps: int = 5,
     blocks: int | None = None,
     wrappers: Mapping[str, Wrapper] | None = None,
+    device: torch.device | str = "cpu",
 ) -> dict[str, float]:
     """The fastest host time of a training step of the narrow model ``name`` (of ``blocks`` blocks) under each
     variant of ``wrappers`` (default :data:`WRAPPERS`).
 
     Variants run interleaved, ``steps`` steps a round, after one warm-up round; one thread. Its tensors are
-    the host's own: a tracker, fake mode or ``SimulatedDevice`` around the call sees none of them.
+    the host's own: a tracker, fake mode or ``SimulatedDevice`` around the call sees none of them. On a
+    ``device`` other than the CPU (a GPU: its tiny kernels leave the step to the host that queues them) each
+    round waits for the device before its clock stops.
     """
     wrappers = WRAPPERS if wrappers is None else wrappers
+    device = torch.device(device)
     with disable_current_modes():
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            models = {variant: _built(name, blocks, wrap) for variant, wrap in wrappers.items()}
+            models = {variant: _built(name, blocks, wrap, device) for variant, wrap in wrappers.items()}
             fastest = dict.fromkeys(wrappers, float("inf"))
             for round_index in range(rounds + 1):
                 for variant, (model, x) in models.items():
+                    _synchronize(device)
                     started = time.perf_counter()
                     for _ in range(steps):
                         _step(model, x)
+                    _synchronize(device)
                     if round_index:
                         fastest[variant] = min(fastest[variant], (time.perf_counter() - started) / steps)
         finally:
             torch.set_num_threads(threads)
     return fastest
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def host_step_ratios(name: str, rounds: int = 10) -> dict[str, float]:
@@ -211,6 +222,31 @@ def host_costs(rounds: int = 4, blocks: int = 4, wrappers: Mapping[str, Wrapper]
     return HostCosts(average, {variant: (0.0, sum(values) / len(values)) for variant, values in extra.items()})
 
 
+def priced_host_ratios(
+    name: str, kernel_seconds: float, region_seconds: Mapping[str, tuple[float, float]]
+) -> dict[str, float]:
+    """What the planner prices a step of the narrow model ``name`` at, each of our modes over none, on a host that
+    spends ``kernel_seconds`` per kernel and ``region_seconds`` per forward kernel of a wrapped block (its
+    :class:`~lightning_memopt.planner.hardware.Hardware`'s): every kernel of the step, recomputed ones included,
+    and each wrapped block's Python work. Selective is priced keeping its expensive ops (:data:`SELECTIVE_KEPT`).
+
+    Example::
+
+        >>> free = dict.fromkeys(CHECKPOINT_MODES, (0.0, 0.0))
+        >>> ratios = priced_host_ratios("cnn", 1e-5, free)
+        >>> sorted(ratios), round(ratios["full"], 2)    # free Python: the recomputed forward kernels only
+        (['full', 'none', 'offload', 'selective kept'], 1.46)
+    """
+    model, x = narrow_model(name)
+    forward = _kernels(model, x)
+    variants = {"none": "none", "full": "full", "offload": "offload", SELECTIVE_KEPT: "selective"}
+    seconds = {}
+    for variant, mode in variants.items():
+        python = forward * region_seconds[mode][1] if mode != "none" else 0.0
+        seconds[variant] = _step_kernels(name, None, WRAPPERS[variant]) * kernel_seconds + python
+    return {variant: value / seconds["none"] for variant, value in seconds.items()}
+
+
 @functools.lru_cache(maxsize=1)
 def measure_host() -> HostCosts:
     """This host's costs of our modes (:func:`host_costs`), measured once a process. Selective's is the mode's own
@@ -220,10 +256,12 @@ def measure_host() -> HostCosts:
     return HostCosts(costs.kernel_seconds, {mode: costs.region_seconds[mode] for mode in CHECKPOINT_MODES})
 
 
-def _built(name: str, blocks: int | None, wrap: Wrapper) -> tuple[nn.Module, torch.Tensor]:
+def _built(
+    name: str, blocks: int | None, wrap: Wrapper, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model, x = narrow_model(name, blocks)
-    return wrap(model), x
+    return wrap(model.to(device)), x.to(device)
 
 
 def _step_kernels(name: str, blocks: int | None, wrap: Wrapper) -> int:

@@ -16,8 +16,8 @@ gpu_truth = load_benchmark("gpu_truth")
 SIBLINGS = {
     name: sys.modules[name]
     for name in (
-        "truth_allocator", "truth_cases", "truth_device", "truth_memory", "truth_recovery", "truth_rows",
-        "truth_reference", "truth_runtime", "truth_seeds",
+        "truth_allocator", "truth_cases", "truth_device", "truth_host", "truth_memory", "truth_recovery",
+        "truth_rows", "truth_reference", "truth_runtime", "truth_seeds",
     )
 }  # fmt: skip
 truth_device, truth_memory, truth_recovery, truth_rows, truth_seeds = (
@@ -26,6 +26,7 @@ truth_device, truth_memory, truth_recovery, truth_rows, truth_seeds = (
 SECTIONS = [  # in the order they run: the timings first
     "device",
     "step time",
+    "host",
     "monitor",
     "oom recovery",
     "overflow",
@@ -94,9 +95,9 @@ def test_no_section_starts_past_the_deadline_and_each_one_left_out_is_a_row(caps
     kept = []
     rows = gpu_truth.measure(device, "dry", 1, deadline=0.0, keep=lambda so_far: kept.append(len(so_far)))
     sections = [line["section"] for line in rows[1:]]
-    assert sections[:4] == ["step time", "monitor", "oom recovery", "overflow"]  # the timings before any worker
-    assert len(sections) == 12 and {line["variant"] for line in rows[1:]} == {"past --deadline"}
-    assert kept == list(range(2, 14))  # the CSV is written again after each section
+    assert sections[:5] == ["step time", "host", "monitor", "oom recovery", "overflow"]  # timings before any worker
+    assert len(sections) == 13 and {line["variant"] for line in rows[1:]} == {"past --deadline"}
+    assert kept == list(range(2, 15))  # the CSV is written again after each section
     assert "skip cuda tests" in capsys.readouterr().out
 
 

@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from lightning_memopt.planner.host import NARROW_MODELS, HostCosts, host_step_ratios, measure_host, narrow_model
+from lightning_memopt.memory.work import KernelCounter
+from lightning_memopt.planner.host import (
+    NARROW_MODELS,
+    WRAPPERS,
+    HostCosts,
+    host_step_ratios,
+    host_step_seconds,
+    measure_host,
+    narrow_model,
+    priced_host_ratios,
+)
+from lightning_memopt.private_api import disable_current_modes
 from tests.helpers import load_benchmark
 
 host_overhead = load_benchmark("host_overhead")
@@ -58,3 +70,35 @@ def test_the_narrow_models_refuse_an_unknown_name():
     with pytest.raises(ValueError, match=r"Unknown `name`='mlp'; valid choices: cnn, transformer"):
         narrow_model("mlp")
     assert host_step_ratios("transformer", rounds=1)["none"] == 1.0
+
+
+def _kernels_of_a_steady_step(variant: str) -> int:
+    torch.manual_seed(0)
+    model, x = narrow_model("cnn")
+    model = WRAPPERS[variant](model)
+    model(x).sum().backward()  # the gradients exist from here on, as in every later step
+    with disable_current_modes(), KernelCounter() as counter:
+        model(x).sum().backward()
+    return counter.kernels
+
+
+def test_the_planner_prices_a_narrow_step_by_its_kernels_and_each_wrapped_forward_kernels_python_work():
+    none, full = _kernels_of_a_steady_step("none"), _kernels_of_a_steady_step("full")
+    model, x = narrow_model("cnn")
+    with disable_current_modes(), KernelCounter() as counter:
+        model(x)
+    forward = counter.kernels
+    assert full - none == forward  # full recomputes each block's forward once
+    free = priced_host_ratios("cnn", 1e-5, dict.fromkeys(("full", "selective", "offload"), (0.0, 0.0)))
+    assert free["none"] == 1.0 and free["full"] == pytest.approx(full / none)
+    regions = {"full": (0.0, 3e-5), "selective": (0.0, 0.0), "offload": (0.0, 0.0)}
+    priced = priced_host_ratios("cnn", 1e-5, regions)
+    assert priced["full"] - free["full"] == pytest.approx(forward * 3e-5 / (none * 1e-5))
+    assert priced["offload"] == free["offload"] and set(priced) == {"none", "full", "offload", "selective kept"}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_narrow_models_time_their_host_beside_a_gpu():
+    seconds = host_step_seconds("cnn", rounds=1, steps=1, device="cuda")
+    assert set(seconds) == set(WRAPPERS) and all(0 < value < 10 for value in seconds.values())

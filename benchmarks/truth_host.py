@@ -1,0 +1,67 @@
+"""gpu_truth.py's host rows: what checkpointing costs the host beside this device, against the planner's price.
+
+The planner prices a host-bound step from the host costs of :mod:`lightning_memopt.planner.host` (its narrow
+models, measured on the CPU that plans) and the device's host time per kernel. Here the same narrow models run on
+the device (tiny kernels: the host sets the step's time) and on this machine's CPU, each mode over none, beside
+the ratio the planner prices for this device. The last row sets this machine's CPU beside the catalogue's host
+costs (measured on the project's 2-core CI machine): how much faster or slower its Python is.
+
+Example::
+
+    >>> from truth_device import TruthDevice
+    >>> rows = host_rows(TruthDevice.detect(prefer_cuda=False), rounds=1)
+    >>> sorted({row["case"] for row in rows})
+    ['cnn', 'this host', 'transformer']
+"""
+
+from __future__ import annotations
+
+from truth_device import TruthDevice
+from truth_rows import row
+
+from lightning_memopt.planner.hardware import HOST_REGION_SECONDS
+from lightning_memopt.planner.host import (
+    NARROW_MODELS,
+    SELECTIVE_KEPT,
+    host_costs,
+    host_step_seconds,
+    priced_host_ratios,
+)
+
+_VARIANTS = ("none", "torch", "full", "offload", SELECTIVE_KEPT)
+
+
+def host_rows(device: TruthDevice, rounds: int) -> list[dict]:
+    """Per narrow model and variant: the step's seconds and ratio over none on ``device``, and the planner's ratio;
+    then this host's Python work per forward kernel of each mode over the catalogue's."""
+    hardware = device.hardware()
+    rows = []
+    for name in NARROW_MODELS:
+        on_device = host_step_seconds(name, rounds, device=device.device)
+        on_cpu = on_device if not device.is_cuda else host_step_seconds(name, rounds)
+        priced = priced_host_ratios(name, hardware.kernel_seconds, hardware.region_seconds)
+        for variant in _VARIANTS:
+            cpu_note = f"this machine's CPU: {on_cpu[variant] / on_cpu['none']:.3f}×" if device.is_cuda else ""
+            rows.append(
+                row(
+                    "host",
+                    name,
+                    variant,
+                    seconds=on_device[variant],
+                    ratio=on_device[variant] / on_device["none"],
+                    predicted_ratio=priced.get(variant, float("nan")),
+                    note="; ".join(filter(None, ("narrow model, host-bound: over none", cpu_note))),
+                )
+            )
+    here = host_costs(rounds=max(2, rounds // 2)).region_seconds
+    speeds = {mode: here[mode][1] / HOST_REGION_SECONDS[mode] for mode in HOST_REGION_SECONDS}
+    rows.append(
+        row(
+            "host",
+            "this host",
+            "Python work per wrapped forward kernel over the catalogue's",
+            ratio=sum(speeds.values()) / len(speeds),
+            note=", ".join(f"{mode} {here[mode][1] * 1e6:.0f} µs ({speed:.2f}×)" for mode, speed in speeds.items()),
+        )
+    )
+    return rows
