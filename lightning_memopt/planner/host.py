@@ -226,8 +226,8 @@ def priced_host_ratios(
     name: str, kernel_seconds: float, region_seconds: Mapping[str, tuple[float, float]]
 ) -> dict[str, float]:
     """What the planner prices a step of the narrow model ``name`` at, each of our modes over none, on a host that
-    spends ``kernel_seconds`` per kernel and ``region_seconds`` per forward kernel of a wrapped block (its
-    :class:`~lightning_memopt.planner.hardware.Hardware`'s): every kernel of the step, recomputed ones included,
+    spends ``kernel_seconds`` per kernel and ``region_seconds`` per wrapped block call and per forward kernel in it
+    (its :class:`~lightning_memopt.planner.hardware.Hardware`'s): every kernel of the step, recomputed ones included,
     and each wrapped block's Python work. Selective is priced keeping its expensive ops (:data:`SELECTIVE_KEPT`).
 
     Example::
@@ -242,7 +242,8 @@ def priced_host_ratios(
     variants = {"none": "none", "full": "full", "offload": "offload", SELECTIVE_KEPT: "selective"}
     seconds = {}
     for variant, mode in variants.items():
-        python = forward * region_seconds[mode][1] if mode != "none" else 0.0
+        per_call, per_kernel = region_seconds[mode] if mode != "none" else (0.0, 0.0)
+        python = len(model) * per_call + forward * per_kernel
         seconds[variant] = _step_kernels(name, None, WRAPPERS[variant]) * kernel_seconds + python
     return {variant: value / seconds["none"] for variant, value in seconds.items()}
 

@@ -95,6 +95,8 @@ def test_the_planner_prices_a_narrow_step_by_its_kernels_and_each_wrapped_forwar
     priced = priced_host_ratios("cnn", 1e-5, regions)
     assert priced["full"] - free["full"] == pytest.approx(forward * 3e-5 / (none * 1e-5))
     assert priced["offload"] == free["offload"] and set(priced) == {"none", "full", "offload", "selective kept"}
+    per_call = priced_host_ratios("cnn", 1e-5, {**regions, "offload": (2e-4, 0.0)})
+    assert per_call["offload"] - free["offload"] == pytest.approx(len(model) * 2e-4 / (none * 1e-5))
 
 
 @pytest.mark.cuda
