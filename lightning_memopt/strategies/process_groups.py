@@ -7,7 +7,7 @@ PowerSGD run now and then ("terminate called without an active exception"). Our 
 :func:`destroy_process_groups_at_exit` once a group exists, whatever the backend. It collects garbage
 first: the fits' DDP reducers and hook states still hold the groups, and a group whose last holder
 went on one of its own worker threads joined that thread and aborted ("Resource deadlock avoided",
-4 of 13 two-rank launches without the collection). With it the abort is rare, not gone: about one launch in 75
+4 of 13 two-rank launches without the collection). With it the abort is rare, not gone: about one launch in 100
 (once in CI, after every group was destroyed, while the interpreter finalised; its cause is not found).
 
 Example::
