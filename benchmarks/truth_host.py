@@ -23,8 +23,8 @@ from lightning_memopt.planner.hardware import HOST_REGION_SECONDS
 from lightning_memopt.planner.host import (
     NARROW_MODELS,
     SELECTIVE_KEPT,
-    host_costs,
     host_step_seconds,
+    measure_host,
     priced_host_ratios,
 )
 
@@ -53,7 +53,7 @@ def host_rows(device: TruthDevice, rounds: int) -> list[dict]:
                     note="; ".join(filter(None, ("narrow model, host-bound: over none", cpu_note))),
                 )
             )
-    here = host_costs(rounds=max(2, rounds // 2)).region_seconds
+    here = measure_host().region_seconds  # as the catalogue was measured (selective keeping its ops); once a process
     speeds = {mode: here[mode][1] / HOST_REGION_SECONDS[mode] for mode in HOST_REGION_SECONDS}
     rows.append(
         row(
