@@ -5,10 +5,10 @@ at sizes that keep the GPU busy; fp32, forward + backward) were measured on the 
 (main at 11b0cf0): ``torch.utils.checkpoint`` with a clone of every batch-norm buffer per call (full), PyTorch's
 selective contexts (selective), a Sapiens head recomputed in 32 row tiles, and every saved tensor copied on the
 compute stream (offload). So the model is checked against them with that implementation's work: its kernels and
-offloaded bytes as it counted them itself (``h200_implementation_work.csv``), its Python work per wrapped block
-measured here on the narrow models of :mod:`lightning_memopt.planner.host` (beyond its kernels, priced at the
-device's host time per kernel), and its copies in line with the kernels on the device while the host queues
-on. The arithmetic and memory traffic are today's profile's (the same computation). The last column is the
+offloaded bytes as it counted them itself (``h200_implementation_work.csv``), its Python work per wrapped call
+and per forward op measured here on the narrow models of :mod:`lightning_memopt.planner.host` (beyond its kernels,
+priced at the device's host time per kernel), and its copies in line with the kernels on the device while the host
+queues on. The arithmetic and memory traffic are today's profile's (the same computation). The last column is the
 forecast for this implementation (the catalogue's costs, copies on a side stream).
 
 Each case is profiled in fake mode on the CPU (its work and wrapped blocks; about a minute).
@@ -28,9 +28,9 @@ from torch import nn
 from truth_cases import Case, face, normals, tracking
 
 from lightning_memopt.checkpointing import selective_context
-from lightning_memopt.planner.hardware import Hardware, gpu
+from lightning_memopt.planner.hardware import gpu
 from lightning_memopt.planner.host import WRAPPERS, TorchCheckpointed, host_costs
-from lightning_memopt.planner.step_time import predicted_step_costs
+from lightning_memopt.planner.step_time import profiled_steps
 from lightning_memopt.private_api import is_batch_norm, storage_base
 from lightning_memopt.vocabulary import GB
 
@@ -110,8 +110,8 @@ class _OldOffload(nn.Module):
 
 
 def old_region_seconds() -> dict[str, tuple[float, float]]:
-    """The host's Python work per forward kernel of the measured implementation's modes, beyond their kernels (the
-    same beside the H200 as here; the kernels are priced at the device's host time per kernel)."""
+    """The host's Python work per wrapped call and per forward op of the measured implementation's modes, beyond
+    their kernels (the same beside the H200 as here; the kernels are priced at the device's host time per kernel)."""
     wrappers = {
         "none": WRAPPERS["none"],
         "full": lambda model: nn.Sequential(*(_OldCheckpoint(block, False) for block in model)),
@@ -134,25 +134,21 @@ def predicted(
 ) -> dict[str, tuple[float, float, str]]:
     """By variant: seconds as the measured implementation ran, as this one runs, and what bounds the latter."""
     h200 = gpu("h200_141gb")
-    policies = {"none": None, **POLICIES}
-    now = predicted_step_costs(case.build, case.batch(), h200, policies)
+    then_h200 = replace(h200, region_seconds=old_regions)  # its wrapped blocks' Python work
+    steps = profiled_steps(case.build, case.batch(), h200, {"none": None, **POLICIES})
     found = {}
-    for variant, cost in now.items():
+    for variant, step in steps.items():
+        cost = step.cost(h200)
         kernels, offloaded = then[case.name, variant]
         old = replace(
             cost,
             launch=kernels * h200.kernel_seconds,
-            checkpointing=cost.checkpointing * _old_over_new(variant, old_regions, h200),
+            checkpointing=step.cost(then_h200).checkpointing,
             offload=2 * offloaded / (h200.host_link_gbps * GB),
         )
         # its copies ran in line with the kernels on the compute stream; the host queued both and went on
         found[variant] = (max(old.device + old.offload, old.host_work), cost.total, cost.bound)
     return found
-
-
-def _old_over_new(variant: str, old_regions: dict[str, tuple[float, float]], hardware: Hardware) -> float:
-    """How much more (or less) Python work the measured implementation's regions did on the host than this one's."""
-    return old_regions[variant][1] / hardware.region_seconds[variant][1] if variant in old_regions else 1.0
 
 
 def measure() -> list[dict]:

@@ -206,6 +206,7 @@ REGISTRY: dict[str, str | Renderer] = {
     "activation_checkpointing.csv targets": "activation_checkpointing:targets",
     "compile_budget.csv targets": "compile_budget:targets",
     "cost_model_h200.csv summary": "cost_model_h200:summary",
+    "host_overhead.csv prices": "host_overhead:prices",
     "plan_vs_sweep.csv targets": "plan_vs_sweep:targets",
     "fake_vs_real.csv summary": "fake_vs_real:summary",
     "memory_h200.csv summary": "memory_h200:summary",

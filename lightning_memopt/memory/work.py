@@ -1,9 +1,11 @@
-"""WorkCounter: the arithmetic, the bytes written and the kernels of a step, by phase and block.
+"""WorkCounter: the arithmetic, the bytes written, the kernels and the ops of a step, by phase and block.
 
 Counted at dispatch level from shapes alone, so a step run under ``FakeTensorMode`` is counted as
 exactly as a real one. Matmuls, convolutions and attention kernels get their floating-point
 operations from PyTorch's flop formulas (plus the CPU flash-attention kernels those formulas
-lack); every other op counts as memory traffic only. The planner turns these counts into time.
+lack); every other op counts as memory traffic only. Ops count every aten call, views included: the
+host's dispatch work, which a checkpointed block's Python work grows with. The planner turns these
+counts into time.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ _NOT_KERNELS = frozenset({"detach", "alias", "lift_fresh", "_to_copy_noop"})
 
 @dataclass
 class Work:
-    """What some ops did: floating-point operations (half / full precision), bytes written, kernels."""
+    """What some ops did: floating-point operations (half / full precision), bytes written, kernels, ops."""
 
     half_flops: float = 0.0
     full_flops: float = 0.0
@@ -35,6 +37,7 @@ class Work:
     matmul_bytes: float = 0.0  # the part of ``bytes_written`` that flop-counted ops (matmul, conv, attention) wrote
     matmul_kernels: float = 0.0
     conv_flops: float = 0.0  # the part of ``full_flops`` that fp32 convolutions did (cuDNN runs them in TF32)
+    ops: float = 0.0  # aten calls, views and copies to the host included: what the host dispatched
 
     def __add__(self, other: Work) -> Work:
         return Work(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Work)))
@@ -88,8 +91,8 @@ class WorkCounter(TorchDispatchMode):
         >>> counter = WorkCounter()
         >>> with counter:
         ...     _ = torch.ones(64, 32) @ torch.ones(32, 16)
-        >>> counter.total().full_flops, counter.total().kernels
-        (65536.0, 3.0)
+        >>> counter.total().full_flops, counter.total().kernels, counter.total().ops
+        (65536.0, 3.0, 3.0)
     """
 
     def __init__(self, context: Any = None) -> None:
@@ -102,10 +105,11 @@ class WorkCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func.overloadpacket
-        if not is_kernel(func):
-            return out
         key = (getattr(self.context, "phase", ""), getattr(self.context, "current_block", ""))
         work = self.counts[key]
+        work.ops += func.namespace == "aten"
+        if not is_kernel(func):
+            return out
         written = sum(t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         work.bytes_written += written
         work.kernels += 1
@@ -140,22 +144,24 @@ def is_kernel(func: Any) -> bool:
 
 
 class KernelCounter(TorchDispatchMode):
-    """Count kernels as :class:`WorkCounter` does, and nothing else (a tenth of its cost).
+    """Count kernels and ops as :class:`WorkCounter` does, and nothing else (a tenth of its cost).
 
     Example::
 
         >>> with KernelCounter() as counter:
         ...     _ = (torch.ones(4, 4) @ torch.ones(4, 4)).t().relu()
-        >>> counter.kernels
-        4
+        >>> counter.kernels, counter.ops    # the transpose is a view: an op, no kernel
+        (4, 5)
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.kernels = 0
+        self.ops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.kernels += is_kernel(func)
+        self.ops += func.namespace == "aten"
         return func(*args, **(kwargs or {}))
 
 

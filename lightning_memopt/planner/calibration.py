@@ -30,6 +30,8 @@ from lightning_memopt.vocabulary import GB, MIB
 
 CACHE_VARIABLE = "LIGHTNING_MEMOPT_CACHE"  # the folder of cpu_rates.json; default ~/.cache/lightning_memopt
 _MEASURED: dict[str, Hardware] = {}  # this process's: the file is read once
+# 2: region costs per wrapped call and per forward op (1: per forward kernel, which rates of 1 must not be read as)
+RATES_VERSION = 2
 
 
 def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5, refresh: bool = False) -> Hardware:
@@ -57,8 +59,8 @@ def measure_cpu(memory_bytes: int, size: int = 384, repeats: int = 5, refresh: b
 
 
 def machine_key() -> str:
-    """What the cached rates belong to: the processor, torch's threads and version."""
-    return f"{_processor()}; {torch.get_num_threads()} threads; torch {torch.__version__}"
+    """What the cached rates belong to: the processor, torch's threads and version, and what the rates mean."""
+    return f"{_processor()}; {torch.get_num_threads()} threads; torch {torch.__version__}; rates {RATES_VERSION}"
 
 
 @functools.cache

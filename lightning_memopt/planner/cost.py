@@ -76,7 +76,7 @@ def step_cost(
             CPU offload the optimizer step runs on the host: its bytes written, read and written
             once, at the host's memory bandwidth, and its kernels at the device's cost per kernel.
         regions: by checkpointing mode, the checkpointed block calls per micro-batch and the forward
-            kernels inside them.
+            ops inside them (priced at ``hardware.region_seconds``).
 
     Example::
 
@@ -99,9 +99,9 @@ def step_cost(
     offload = host_link * micro_batches / (hardware.host_link_gbps * GB)
     communication = traffic.peer_bytes * micro_batches / (hardware.peer_link_gbps * GB)
     checkpointing = 0.0
-    for mode, (calls, kernels) in (regions or {}).items():
-        per_call, per_kernel = hardware.region_seconds.get(mode, (0.0, 0.0))
-        checkpointing += (calls * per_call + kernels * per_kernel) * micro_batches
+    for mode, (calls, ops) in (regions or {}).items():
+        per_call, per_op = hardware.region_seconds.get(mode, (0.0, 0.0))
+        checkpointing += (calls * per_call + ops * per_op) * micro_batches
     host = 0.0
     if traffic.optimizer_on_host:
         host = 2 * optimizer_share.bytes_written / (hardware.host_memory_gbps * GB)

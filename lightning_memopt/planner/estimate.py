@@ -43,7 +43,7 @@ class StepEstimate:
     step_work: Work
     optimizer_work: Work
     offloaded_bytes: float  # activation bytes one micro-batch offloads to the host
-    # by checkpointing mode: the checkpointed block calls per micro-batch and the forward kernels inside them
+    # by checkpointing mode: the checkpointed block calls per micro-batch and the forward ops inside them
     regions: dict[str, tuple[int, float]] = field(default_factory=dict)
     parameter_casts: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
@@ -126,23 +126,30 @@ def checkpointed(
             phases[moment]["activations"] = max(0, activations - savings.get(moment, saving))
             casts[moment] = max(0, min(casts.get(moment, 0) - casts_freed, phases[moment]["activations"]))
     recompute = Work()
-    regions: dict[str, tuple[int, float]] = {}
     for name, mode in modes.items():
-        forward = anchor.work(("forward",), (name,))
-        recompute = recompute + recomputed_work(forward, mode, lean.get(name))
-        calls, kernels = regions.get(mode, (0, 0.0))
-        account = anchor.blocks.get(name)  # absent: never called
-        regions[mode] = (calls + (account.calls if account is not None else 0), kernels + forward.kernels)
+        recompute = recompute + recomputed_work(anchor.work(("forward",), (name,)), mode, lean.get(name))
     offloaded = float(sum(nbytes for name, nbytes in freed.items() if modes[name] == "offload"))
     return StepEstimate(
         phases,
         anchor.work(STEP_PHASES) + recompute,
         anchor.work(("optimizer",)),
         offloaded,
-        regions,
+        checkpointed_regions(anchor, modes),
         parameter_casts=casts,
         host={"activations": int(offloaded)} if offloaded else {},
     )
+
+
+def checkpointed_regions(anchor: MemoryProfile, modes: Mapping[str, str]) -> dict[str, tuple[int, float]]:
+    """By mode: the calls of the blocks ``modes`` checkpoints in it and the ops of their forward (``anchor``'s, a
+    profile that tracked them): what the host's Python work of checkpointing grows with."""
+    regions: dict[str, tuple[int, float]] = {}
+    for name, mode in modes.items():
+        calls, ops = regions.get(mode, (0, 0.0))
+        account = anchor.blocks.get(name)  # absent: never called
+        forward = anchor.work(("forward",), (name,)).ops
+        regions[mode] = (calls + (account.calls if account is not None else 0), ops + forward)
+    return regions
 
 
 def recomputed_work(forward: Work, mode: str, lean: LeanRecompute | None = None) -> Work:

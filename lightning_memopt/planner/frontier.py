@@ -139,7 +139,7 @@ def block_options(
                 hardware,
                 micro_batches,
                 offloaded_bytes=freed if mode == "offload" else 0.0,
-                regions={mode: (account.calls, forward.kernels)},
+                regions={mode: (account.calls, forward.ops)},
             )
             output = account.output_bytes if mode == "offload" else 0
             held = held_bytes(anchor, name, freed + output, mode, lean.get(name))

@@ -41,8 +41,8 @@ class Hardware:
         kernel_seconds: the host's time per kernel: Python, module calls, autograd and dispatch,
             and the launch (the host work of a step is the same beside a GPU as on a CPU).
         region_seconds: the host-side cost of checkpointing, by mode (``full``, ``selective``,
-            ``offload``): seconds per checkpointed block call and per forward kernel inside it
-            (the recomputation's dispatch, saved-tensor hooks, selective's per-op mode), measured by
+            ``offload``): seconds per checkpointed block call and per forward op inside it (views
+            included: the recomputation's dispatch, saved-tensor hooks, selective's per-op mode), measured by
             :func:`~lightning_memopt.planner.calibration.measure_host`.
         tf32_tflops: TF32 rate on tensor cores, TFLOP/s (0: none). fp32 convolutions run at it while
             ``torch.backends.cudnn.allow_tf32`` (PyTorch's default), fp32 matmuls while
@@ -96,10 +96,11 @@ class Hardware:
 # 44 µs per kernel (Python, module calls, autograd, dispatch and the launch: the rows where bf16 did not help).
 ACHIEVED = 0.45
 HOST_KERNEL_SECONDS = 44e-6
-# What each mode of ours adds on the host per forward kernel of a wrapped block, beyond queuing what it recomputes:
-# Python work, the same beside a GPU as on the CPU that measured it (the narrow models of
-# lightning_memopt.planner.host; `python benchmarks/host_overhead.py`, 2026-11-27, 2 cores).
-HOST_REGION_SECONDS = {"full": 27e-6, "selective": 73e-6, "offload": 35e-6}
+# What each mode of ours adds on the host, beyond queuing what it recomputes, as (seconds per wrapped block call,
+# seconds per forward op inside it): Python work, the same beside a GPU as on the CPU that measured it (the narrow
+# models of lightning_memopt.planner.host, wrapped block by block and four blocks a call; selective keeping its
+# ops; `python benchmarks/host_overhead.py`, 2026-11-28, 2 cores).
+HOST_REGION_SECONDS = {"full": (290e-6, 3.4e-6), "selective": (398e-6, 23e-6), "offload": (110e-6, 14.1e-6)}
 
 
 def _gpu(
@@ -115,7 +116,6 @@ def _gpu(
     dram: float,
     workspace: LibraryWorkspace = BEFORE_HOPPER,
 ) -> Hardware:
-    regions = {mode: (0.0, seconds) for mode, seconds in HOST_REGION_SECONDS.items()}
     return Hardware(
         name,
         mib * MIB,
@@ -127,7 +127,7 @@ def _gpu(
         peer,
         dram,
         kernel_seconds=HOST_KERNEL_SECONDS,
-        region_seconds=regions,
+        region_seconds=dict(HOST_REGION_SECONDS),
         tf32_tflops=tf32,
         achieved=ACHIEVED,
         workspace=workspace,

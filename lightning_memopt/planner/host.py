@@ -9,6 +9,9 @@ step timed without checkpointing, with each mode of ours on every block, and wit
 ``selective`` is the mode as a model gets it: on tensors this small keeping the matmuls does not pay, so
 after its first calls each block is recomputed in full (:mod:`~lightning_memopt.checkpointing.selective_payoff`);
 ``selective kept`` keeps them on every call: the cost of the mode itself, which the planner prices.
+What a mode adds beyond the kernels it recomputes is priced per wrapped call and per forward op inside it, fitted
+on both narrow models wrapped one and four blocks a call (:func:`host_costs`) and checked on the held-out models
+of :mod:`~lightning_memopt.planner.narrow_models` (``benchmarks/host_overhead.py``).
 
 Example::
 
@@ -23,70 +26,19 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memopt.checkpointing.wrap import checkpoint_modules
 from lightning_memopt.memory.work import KernelCounter
+from lightning_memopt.planner.narrow_models import NARROW_MODELS, narrow_model
 from lightning_memopt.private_api import disable_current_modes
 from lightning_memopt.vocabulary import CHECKPOINT_MODES
-
-NARROW_MODELS = ("cnn", "transformer")
-
-
-class Bottleneck(nn.Module):
-    """1×1, 3×3 and 1×1 convolutions with batch norm and ReLU, and a residual: a ResNet block."""
-
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        self.convs = nn.ModuleList(nn.Conv2d(width, width, k, padding=k // 2, bias=False) for k in (1, 3, 1))
-        self.norms = nn.ModuleList(nn.BatchNorm2d(width) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x
-        for index, (conv, norm) in enumerate(zip(self.convs, self.norms, strict=True)):
-            y = norm(conv(y))
-            y = F.relu(y + x if index == 2 else y)
-        return y
-
-
-class EncoderBlock(nn.Module):
-    """Pre-norm attention and MLP with residuals: a ViT block."""
-
-    def __init__(self, width: int = 16, heads: int = 2) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, tokens, width = x.shape
-        qkv = self.qkv(self.norm1(x)).reshape(batch, tokens, 3, self.heads, width // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, tokens, width)
-        x = x + self.proj(attended)
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-
-
-def narrow_model(name: str, blocks: int | None = None) -> tuple[nn.Sequential, torch.Tensor]:
-    """A narrow model of ``name`` (``"cnn"``: 16 bottlenecks; ``"transformer"``: 12 encoder blocks; or ``blocks``
-    of them) and its input.
-
-    Raises:
-        ValueError: an unknown ``name``, listing :data:`NARROW_MODELS`.
-    """
-    if name == "cnn":
-        return nn.Sequential(*(Bottleneck() for _ in range(blocks or 16))), torch.randn(2, 8, 8, 8)
-    if name == "transformer":
-        return nn.Sequential(*(EncoderBlock() for _ in range(blocks or 12))), torch.randn(2, 8, 16)
-    raise ValueError(f"Unknown `name`={name!r}; valid choices: {', '.join(NARROW_MODELS)}")
 
 
 class TorchCheckpointed(nn.Module):
@@ -187,48 +139,85 @@ def host_step_ratios(name: str, rounds: int = 10) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class HostCosts:
-    """The host's time per kernel, and what each checkpointing mode adds per forward kernel of a wrapped block
-    beyond queuing the kernels it recomputes (as the planner prices a region: ``(per call, per kernel)``).
+    """The host's time per kernel, and what each checkpointing mode adds per wrapped block call and per forward
+    op inside it, beyond queuing the kernels it recomputes (as the planner prices a region: ``(per call, per op)``).
 
     Example::
 
-        >>> costs = HostCosts(kernel_seconds=2e-5, region_seconds={"full": (0.0, 3e-5)})
-        >>> costs.region_seconds["full"][1] / costs.kernel_seconds
-        1.5
+        >>> costs = HostCosts(kernel_seconds=2e-5, region_seconds={"full": (3e-4, 4e-6)})
+        >>> per_call, per_op = costs.region_seconds["full"]
+        >>> round(per_call / costs.kernel_seconds, 1)
+        15.0
     """
 
     kernel_seconds: float
     region_seconds: dict[str, tuple[float, float]]
 
 
-def host_costs(rounds: int = 4, blocks: int = 4, wrappers: Mapping[str, Wrapper] | None = None) -> HostCosts:
+GROUPINGS = (1, 4)  # blocks per wrapped call: the same ops under four times as many calls, or a quarter as many
+
+
+def host_costs(rounds: int = 4, blocks: int = 8, wrappers: Mapping[str, Wrapper] | None = None) -> HostCosts:
     """The host costs of the variants of ``wrappers`` (default :data:`WRAPPERS`, which must hold ``"none"``),
-    averaged over both narrow models: the step without checkpointing over its kernels; each other variant's extra
-    time, less its recomputed kernels at that rate, over the forward kernels of the blocks it wraps."""
+    from both narrow models of ``blocks`` blocks, each wrapped block by block and in groups (:data:`GROUPINGS`):
+    the step without checkpointing over its kernels; and each other variant's extra time, less its recomputed
+    kernels at that rate, fitted as a cost per wrapped call and per forward op inside it
+    (:func:`fit_region_seconds`). Either alone misprices: with the same ops under a quarter of the calls, full
+    checkpointing's extra time falls by more than half, and per forward kernel a transformer's block costs twice
+    a CNN's (its views and reshapes are ops, not kernels)."""
     wrappers = WRAPPERS if wrappers is None else wrappers
     per_kernel: list[float] = []
-    extra: dict[str, list[float]] = {variant: [] for variant in wrappers if variant != "none"}
+    points: dict[str, list[tuple[float, float, float]]] = {variant: [] for variant in wrappers if variant != "none"}
     for name in NARROW_MODELS:
-        seconds = host_step_seconds(name, rounds, steps=2, blocks=blocks, wrappers=wrappers)
-        kernels = {variant: _step_kernels(name, blocks, wrap) for variant, wrap in wrappers.items()}
-        rate = seconds["none"] / kernels["none"]
-        per_kernel.append(rate)
         model, x = narrow_model(name, blocks)
-        forward = _kernels(model, x)
-        for variant in extra:
-            recomputed = (kernels[variant] - kernels["none"]) * rate
-            extra[variant].append(max(0.0, seconds[variant] - seconds["none"] - recomputed) / forward)
+        forward_ops = _counted(model, x).ops
+        for group in GROUPINGS:
+            grouped = {variant: in_groups(wrap, group) for variant, wrap in wrappers.items()}
+            seconds = host_step_seconds(name, rounds, steps=2, blocks=blocks, wrappers=grouped)
+            kernels = {variant: step_kernels(name, blocks, wrap) for variant, wrap in grouped.items()}
+            rate = seconds["none"] / kernels["none"]
+            per_kernel.append(rate)
+            for variant in points:
+                extra = seconds[variant] - seconds["none"] - (kernels[variant] - kernels["none"]) * rate
+                points[variant].append((blocks / group, forward_ops, extra))
     average = sum(per_kernel) / len(per_kernel)
-    return HostCosts(average, {variant: (0.0, sum(values) / len(values)) for variant, values in extra.items()})
+    return HostCosts(average, {variant: fit_region_seconds(found) for variant, found in points.items()})
+
+
+def fit_region_seconds(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """The ``(per call, per op)`` seconds that fit ``points`` of ``(calls, ops, extra seconds)`` best in least
+    squares, neither negative (where the joint fit makes one negative, the other is fitted alone).
+
+    Example::
+
+        >>> fit_region_seconds([(8, 100, 8e-3 + 1e-4), (2, 100, 2e-3 + 1e-4), (8, 300, 8e-3 + 3e-4)])
+        (0.001, 1e-06)
+        >>> fit_region_seconds([(4, 100, 1e-3), (1, 100, 1e-3), (4, 200, 2e-3)])   # no cost per call
+        (0.0, 1e-05)
+    """
+    calls, ops, extra = (torch.tensor(column, dtype=torch.float64) for column in zip(*points, strict=True))
+    joint = torch.linalg.lstsq(torch.stack([calls, ops], dim=1), extra.unsqueeze(1)).solution.squeeze(1)
+    per_call, per_op = (_to_picoseconds(float(value)) for value in joint)
+    if per_call >= 0 and per_op >= 0:
+        return per_call, per_op
+    columns = (calls, ops)
+    alone = [max(0.0, _to_picoseconds(float((column * extra).sum() / (column * column).sum()))) for column in columns]
+    residuals = [float(((extra - value * column) ** 2).sum()) for value, column in zip(alone, columns, strict=True)]
+    return (alone[0], 0.0) if residuals[0] <= residuals[1] else (0.0, alone[1])
+
+
+def _to_picoseconds(seconds: float) -> float:
+    return round(seconds, 12) + 0.0  # drops what float64 arithmetic leaves of an exact fit (and a -0.0)
 
 
 def priced_host_ratios(
-    name: str, kernel_seconds: float, region_seconds: Mapping[str, tuple[float, float]]
+    name: str, kernel_seconds: float, region_seconds: Mapping[str, tuple[float, float]], group: int = 1
 ) -> dict[str, float]:
     """What the planner prices a step of the narrow model ``name`` at, each of our modes over none, on a host that
-    spends ``kernel_seconds`` per kernel and ``region_seconds`` per wrapped block call and per forward kernel in it
-    (its :class:`~lightning_memopt.planner.hardware.Hardware`'s): every kernel of the step, recomputed ones included,
-    and each wrapped block's Python work. Selective is priced keeping its expensive ops (:data:`SELECTIVE_KEPT`).
+    spends ``kernel_seconds`` per kernel and ``region_seconds`` per wrapped call and per forward op in it (its
+    :class:`~lightning_memopt.planner.hardware.Hardware`'s), its blocks wrapped ``group`` a call: every kernel of
+    the step, recomputed ones included, and each wrapped call's Python work. Selective is priced keeping its
+    expensive ops (:data:`SELECTIVE_KEPT`).
 
     Example::
 
@@ -237,15 +226,27 @@ def priced_host_ratios(
         >>> sorted(ratios), round(ratios["full"], 2)    # free Python: the recomputed forward kernels only
         (['full', 'none', 'offload', 'selective kept'], 1.46)
     """
-    model, x = narrow_model(name)
-    forward = _kernels(model, x)
+    calls, ops = narrow_region(name, group)
     variants = {"none": "none", "full": "full", "offload": "offload", SELECTIVE_KEPT: "selective"}
     seconds = {}
     for variant, mode in variants.items():
-        per_call, per_kernel = region_seconds[mode] if mode != "none" else (0.0, 0.0)
-        python = len(model) * per_call + forward * per_kernel
-        seconds[variant] = _step_kernels(name, None, WRAPPERS[variant]) * kernel_seconds + python
+        per_call, per_op = region_seconds[mode] if mode != "none" else (0.0, 0.0)
+        kernels = step_kernels(name, None, in_groups(WRAPPERS[variant], group))
+        seconds[variant] = kernels * kernel_seconds + calls * per_call + ops * per_op
     return {variant: value / seconds["none"] for variant, value in seconds.items()}
+
+
+def narrow_region(name: str, group: int = 1) -> tuple[int, int]:
+    """The narrow model ``name`` with its blocks wrapped ``group`` a call, as the planner counts its region:
+    ``(calls, forward ops)``.
+
+    Example::
+
+        >>> narrow_region("cnn"), narrow_region("cnn", 4)
+        ((16, 304), (4, 304))
+    """
+    model, x = narrow_model(name)
+    return -(-len(model) // group), _counted(model, x).ops
 
 
 @functools.lru_cache(maxsize=1)
@@ -265,14 +266,33 @@ def _built(
     return wrap(model.to(device)), x.to(device)
 
 
-def _step_kernels(name: str, blocks: int | None, wrap: Wrapper) -> int:
+def in_groups(wrap: Wrapper, group: int) -> Wrapper:
+    """``wrap`` applied to the model's blocks taken ``group`` at a time (each group one wrapped call).
+
+    Example::
+
+        >>> wrapped = in_groups(WRAPPERS["torch"], 4)(narrow_model("cnn", blocks=8)[0])
+        >>> len(wrapped), len(wrapped[0].block)
+        (2, 4)
+    """
+    if group == 1:
+        return wrap
+
+    def grouped(model: nn.Sequential) -> nn.Module:
+        blocks = list(model)
+        return wrap(nn.Sequential(*(nn.Sequential(*blocks[i : i + group]) for i in range(0, len(blocks), group))))
+
+    return grouped
+
+
+def step_kernels(name: str, blocks: int | None, wrap: Wrapper) -> int:
     """The kernels of a steady training step (the gradients exist: backward accumulates into them)."""
     model, x = _built(name, blocks, wrap)
     _step(model, x)
-    return _kernels(_step, model, x)
+    return _counted(_step, model, x).kernels
 
 
-def _kernels(run: Callable[..., object], *args: object) -> int:
+def _counted(run: Callable[..., object], *args: object) -> KernelCounter:
     with disable_current_modes(), KernelCounter() as counter:
         run(*args)
-    return counter.kernels
+    return counter

@@ -2,7 +2,7 @@
 
 Each policy's step is profiled in fake mode (its work, recomputation included, and the bytes it
 offloads); the blocks it wraps are priced for the host from a profile without checkpointing (their
-calls and forward kernels); :func:`~lightning_memopt.planner.cost.step_cost` turns both into seconds
+calls and forward ops); :func:`~lightning_memopt.planner.cost.step_cost` turns both into seconds
 on ``hardware``. Forward and backward of one batch, no optimizer step (what ``gpu_truth.py`` times).
 
 Example::
@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +29,49 @@ from lightning_memopt.checkpointing import PolicySpec, checkpoint_modules
 from lightning_memopt.memory import profile_step
 from lightning_memopt.memory.work import Work
 from lightning_memopt.planner.cost import StepCost, step_cost
+from lightning_memopt.planner.estimate import checkpointed_regions
 from lightning_memopt.planner.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class ProfiledStep:
+    """One policy's step as a fake-mode profile counted it: its work (recomputation included), the bytes it
+    offloads, and by mode the calls and forward ops of the blocks it checkpoints; :meth:`cost` prices it."""
+
+    work: Work
+    offloaded_bytes: float
+    regions: dict[str, tuple[int, float]]
+
+    def cost(self, hardware: Hardware) -> StepCost:
+        """Its seconds on ``hardware``."""
+        return step_cost(self.work, Work(), hardware, offloaded_bytes=self.offloaded_bytes, regions=self.regions)
+
+
+def profiled_steps(
+    build: Callable[[], nn.Module],
+    batch: Any,
+    hardware: Hardware,
+    policies: Mapping[str, PolicySpec | None],
+    precision: str = "32-true",
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+) -> dict[str, ProfiledStep]:
+    """The step of ``build()`` on ``batch`` under each policy of ``policies`` (``None``: no checkpointing), profiled
+    for ``hardware``'s device (its autocast lists and workspaces).
+
+    ``loss_fn(model, batch)``: the loss (default: a LightningModule's ``training_step``).
+    """
+    wrapped = {name: _modes(build, policy) for name, policy in policies.items()}
+    blocks = tuple(dict.fromkeys(block for modes in wrapped.values() for block in modes))
+    anchor = _profile(build, batch, hardware, precision, None, loss_fn, blocks)
+    steps = {}
+    for name, policy in policies.items():
+        profile = anchor if policy is None else _profile(build, batch, hardware, precision, policy, loss_fn, ())
+        steps[name] = ProfiledStep(
+            profile.work(("forward", "backward")),
+            float(profile.offloaded_bytes),
+            checkpointed_regions(anchor, wrapped[name]),
+        )
+    return steps
 
 
 def predicted_step_costs(
@@ -36,33 +79,12 @@ def predicted_step_costs(
     batch: Any,
     hardware: Hardware,
     policies: Mapping[str, PolicySpec | None],
-    precision: str = "32-true",
-    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+    **profiling: Any,
 ) -> dict[str, StepCost]:
-    """The priced step of ``build()`` on ``batch`` under each policy of ``policies`` (``None``: no checkpointing).
-
-    ``loss_fn(model, batch)``: the loss (default: a LightningModule's ``training_step``).
-    """
-    wrapped = {name: _modes(build, policy) for name, policy in policies.items()}
-    blocks = tuple(dict.fromkeys(block for modes in wrapped.values() for block in modes))
-    anchor = _profile(build, batch, hardware, precision, None, loss_fn, blocks)
-    costs = {}
-    for name, policy in policies.items():
-        profile = anchor if policy is None else _profile(build, batch, hardware, precision, policy, loss_fn, ())
-        regions: dict[str, tuple[int, float]] = {}
-        for block, mode in wrapped[name].items():
-            account = anchor.blocks.get(block)
-            calls, kernels = regions.get(mode, (0, 0.0))
-            forward = anchor.work(("forward",), (block,)).kernels
-            regions[mode] = (calls + (account.calls if account is not None else 0), kernels + forward)
-        costs[name] = step_cost(
-            profile.work(("forward", "backward")),
-            Work(),
-            hardware,
-            offloaded_bytes=float(profile.offloaded_bytes),
-            regions=regions,
-        )
-    return costs
+    """The priced step of each policy on ``hardware``; ``profiling``: :func:`profiled_steps`' ``precision`` and
+    ``loss_fn``."""
+    steps = profiled_steps(build, batch, hardware, policies, **profiling)
+    return {name: step.cost(hardware) for name, step in steps.items()}
 
 
 def _modes(build: Callable[[], nn.Module], policy: PolicySpec | None) -> dict[str, str]:

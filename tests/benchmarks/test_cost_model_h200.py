@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -50,7 +51,8 @@ def test_the_old_offload_wrapper_copies_saved_tensors_to_new_host_tensors_and_ch
 def test_the_old_copies_run_in_line_with_the_kernels_while_the_host_queues_on(monkeypatch):
     case = cost_model._cases()["r50 b32 112²"]
     device_bound = StepCost(compute=0.05, memory=0.0, launch=0.01, offload=0.0, communication=0.0)
-    monkeypatch.setattr(cost_model, "predicted_step_costs", lambda *args, **kwargs: {"none": device_bound})
+    step = SimpleNamespace(cost=lambda hardware: device_bound)
+    monkeypatch.setattr(cost_model, "profiled_steps", lambda *args, **kwargs: {"none": step})
     h200 = cost_model.gpu("h200_141gb")
     counts = {(case.name, "none"): (5000.0, 8e9)}  # 8 GB out and back: 16 GB over the host link
     (then, now, bound) = cost_model.predicted(case, {}, counts)["none"]

@@ -11,6 +11,7 @@ from lightning_memopt.models import create_model
 from lightning_memopt.models.structure import set_attention
 from lightning_memopt.planner import GPUS, Knobs, PlanError, ResultChangingOption, gpu, measure_cpu, plan, with_budget
 from lightning_memopt.planner.cost import step_cost
+from lightning_memopt.planner.hardware import HOST_REGION_SECONDS
 from tests.helpers import tensors_only
 
 _MIB = 2**20
@@ -262,7 +263,7 @@ def test_the_measured_cpu_prices_checkpointing_and_searches_math_attention():
     cpu = measure_cpu(2**20)
     assert cpu.kernel_seconds > 0 and not cpu.fused_attention_wins
     assert set(cpu.region_seconds) == {"full", "selective", "offload"}
-    assert all(per_call >= 0 and per_kernel >= 0 for per_call, per_kernel in cpu.region_seconds.values())
+    assert all(per_call >= 0 and per_op >= 0 for per_call, per_op in cpu.region_seconds.values())
 
 
 def test_the_calibration_is_invisible_to_a_simulated_device_around_it():
@@ -272,13 +273,14 @@ def test_the_calibration_is_invisible_to_a_simulated_device_around_it():
     assert cpu.memory_bytes == 2**20 and device.oom_count == 0 and device.peak.total_bytes == 0
 
 
-def test_checkpointing_host_cost_is_per_block_call_and_per_kernel_inside():
+def test_checkpointing_host_cost_is_per_block_call_and_per_forward_op_inside():
     hardware = replace(gpu("a100_80gb"), region_seconds={"full": (1e-3, 1e-5)})
     plain = step_cost(Work(kernels=100), Work(), hardware)
     full = step_cost(Work(kernels=100), Work(), hardware, micro_batches=1, regions={"full": (4, 50)})
     assert full.checkpointing == pytest.approx(4 * 1e-3 + 50 * 1e-5)
     assert full.total - plain.total == pytest.approx(full.checkpointing)
-    assert step_cost(Work(), Work(), gpu("a100_80gb"), regions={"full": (4, 0)}).checkpointing == 0
+    catalogue = step_cost(Work(), Work(), gpu("a100_80gb"), regions={"full": (4, 0)})
+    assert catalogue.checkpointing == pytest.approx(4 * HOST_REGION_SECONDS["full"][0]) and catalogue.checkpointing > 0
     hardware = replace(hardware, region_seconds={"full": (1e-3, 0.0), "offload": (2e-3, 0.0)})
     mixed = step_cost(Work(), Work(), hardware, micro_batches=2, regions={"full": (3, 0), "offload": (1, 0)})
     assert mixed.checkpointing == pytest.approx(2 * (3 * 1e-3 + 1 * 2e-3))  # each mode at its own price
