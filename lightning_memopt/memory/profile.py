@@ -240,6 +240,8 @@ def profile_step(
             result.parameter_casts[key] = sum(r.nbytes for r in snapshot.records if r.op == PARAMETER_CAST)
     result.phase_breakdowns["backward end"] = backward_end
     result.work_counts = {key: work.scaled(1 / steps) for key, work in counter.counts.items()}
+    for account in block_accounts.values():  # the module hooks counted every step's calls: one step's, as the work
+        account.calls = round(account.calls / steps)
     result.blocks = block_accounts
     return result
 

@@ -179,7 +179,7 @@ def host_costs(rounds: int = 4, blocks: int = 8, wrappers: Mapping[str, Wrapper]
             per_kernel.append(rate)
             for variant in points:
                 extra = seconds[variant] - seconds["none"] - (kernels[variant] - kernels["none"]) * rate
-                points[variant].append((blocks / group, forward_ops, extra))
+                points[variant].append((_calls(blocks, group), forward_ops, extra))
     average = sum(per_kernel) / len(per_kernel)
     return HostCosts(average, {variant: fit_region_seconds(found) for variant, found in points.items()})
 
@@ -246,7 +246,7 @@ def narrow_region(name: str, group: int = 1) -> tuple[int, int]:
         ((16, 304), (4, 304))
     """
     model, x = narrow_model(name)
-    return -(-len(model) // group), _counted(model, x).ops
+    return _calls(len(model), group), _counted(model, x).ops
 
 
 @functools.lru_cache(maxsize=1)
@@ -283,6 +283,11 @@ def in_groups(wrap: Wrapper, group: int) -> Wrapper:
         return wrap(nn.Sequential(*(nn.Sequential(*blocks[i : i + group]) for i in range(0, len(blocks), group))))
 
     return grouped
+
+
+def _calls(blocks: int, group: int) -> int:
+    """The wrapped calls of ``blocks`` blocks taken ``group`` at a time (the last group may be short)."""
+    return -(-blocks // group)
 
 
 def step_kernels(name: str, blocks: int | None, wrap: Wrapper) -> int:
