@@ -201,11 +201,13 @@ REGISTRY: dict[str, str | Renderer] = {
     "gpu_truth_h100.csv": "gpu_truth:table",
     "host_overhead.csv": "host_overhead:table",
     "cost_model_h200.csv": "cost_model_h200:table",
+    "host_twin.csv": "host_twin:table",
     "memory_h200.csv": "memory_h200:table",  # once a GPU session commits it (python benchmarks/gpu_truth.py)
     # figures in prose
     "activation_checkpointing.csv targets": "activation_checkpointing:targets",
     "compile_budget.csv targets": "compile_budget:targets",
     "cost_model_h200.csv summary": "cost_model_h200:summary",
+    "host_twin.csv summary": "host_twin:summary",
     "host_overhead.csv prices": "host_overhead:prices",
     "plan_vs_sweep.csv targets": "plan_vs_sweep:targets",
     "fake_vs_real.csv summary": "fake_vs_real:summary",

@@ -1,0 +1,63 @@
+"""benchmarks/host_twin.py: the H200's host-bound r50 case as a narrow twin on this CPU."""
+
+from __future__ import annotations
+
+import csv
+
+import torch
+
+from tests.helpers import load_benchmark
+
+host_twin = load_benchmark("host_twin")
+
+
+def _gradients(variant: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    module = host_twin.twin(variant)
+    generator = torch.Generator().manual_seed(1)
+    batch = (torch.randn(2, 3, 16, 16, generator=generator), torch.randint(0, 16, (2,), generator=generator))
+    loss = module.training_step(batch, 0)
+    loss.backward()
+    names = {
+        name.replace(".block.block.", "."): p.grad for name, p in module.backbone.named_parameters() if p.requires_grad
+    }
+    return loss.detach(), names
+
+
+def test_the_twin_wraps_every_r50_block_and_trains_as_the_unwrapped_twin():
+    loss, expected = _gradients("none")
+    assert len(expected) > 24 * 5  # 24 blocks (3 + 4 + 14 + 3), each with convolutions, norms and a PReLU
+    for variant in ("full", "selective"):
+        module = host_twin.twin(variant)
+        wrapped = [m for m in module.backbone.modules() if isinstance(m, host_twin._OldCheckpoint)]
+        assert len(wrapped) == 24
+        found_loss, found = _gradients(variant)
+        assert torch.equal(found_loss, loss)
+        assert found.keys() == expected.keys()
+        assert all(torch.allclose(found[name], expected[name], atol=1e-6) for name in expected), variant
+
+
+def test_the_twin_is_timed_variant_by_variant():
+    seconds = host_twin.twin_seconds(rounds=1)
+    assert set(seconds) == set(host_twin.VARIANTS)
+    assert all(0 < value < float("inf") for value in seconds.values())
+
+
+def test_the_summary_states_both_hosts_speeds_and_their_ratio(tmp_path):
+    path = tmp_path / "twin.csv"
+    rows = [
+        ["none", "1.000", "1.000", "1.000"],
+        ["full", "2.500", "2.800", "2.600"],
+        ["selective", "3.600", "3.500", "3.500"],
+        [host_twin.PER_KERNEL, "25.0", "50.0", "44.0"],
+    ]
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["variant", "this_cpu", "h200", "priced_here"])
+        writer.writerows(rows)
+    text = " ".join(host_twin.summary(path).split())
+    assert "cost 2.500× (full), 3.600× (selective) of its unchecked step" in text
+    assert "the H200's host-bound r50 step cost 2.800×, 3.500×" in text
+    assert "the planner says 2.600×, 3.500×" in text
+    assert "that host ran the same work 2.0× slower" in text
+    assert "| selective | 3.600 | 3.500 | 3.500 |" in host_twin.table(path)
