@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_memopt.memory.work import KernelCounter
+from lightning_memopt.planner import host
 from lightning_memopt.planner.host import (
     WRAPPERS,
     HostCosts,
@@ -119,6 +120,27 @@ def test_the_region_fit_recovers_each_price_and_never_returns_a_negative_one():
     # the other way round: the ops alone
     per_call, per_op = fit_region_seconds([(8, 100, 1e-3), (2, 100, 1.2e-3), (8, 300, 3e-3), (2, 300, 3.1e-3)])
     assert per_call == 0.0 and per_op > 0
+
+
+def test_host_costs_turn_the_timed_steps_into_the_prices_that_made_them(monkeypatch):
+    """Steps timed as a host would spend them (each kernel 20 µs; full adds 300 µs a wrapped call and 4 µs a forward
+    op beyond the kernels it recomputes): host_costs recovers those prices from its one- and four-a-call groupings."""
+    per_kernel, per_call, per_op = 2e-5, 3e-4, 4e-6
+
+    def timed(name, rounds, steps, blocks, wrappers):
+        model, x = narrow_model(name, blocks)
+        ops = host._counted(model, x).ops
+        seconds = {}
+        for variant, wrap in wrappers.items():
+            kernels = host.step_kernels(name, blocks, wrap)
+            calls = len(wrap(narrow_model(name, blocks)[0]))  # the wrapped blocks or groups, one call each
+            seconds[variant] = kernels * per_kernel + (0 if variant == "none" else calls * per_call + ops * per_op)
+        return seconds
+
+    monkeypatch.setattr(host, "host_step_seconds", timed)
+    costs = host.host_costs(wrappers={"none": WRAPPERS["none"], "full": WRAPPERS["full"]})
+    assert costs.kernel_seconds == pytest.approx(per_kernel)
+    assert costs.region_seconds["full"] == pytest.approx((per_call, per_op))
 
 
 @pytest.mark.parametrize("variant", ["full", "offload", "selective", "torch"])
