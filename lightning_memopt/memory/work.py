@@ -90,9 +90,9 @@ class WorkCounter(TorchDispatchMode):
 
         >>> counter = WorkCounter()
         >>> with counter:
-        ...     _ = torch.ones(64, 32) @ torch.ones(32, 16)
-        >>> counter.total().full_flops, counter.total().kernels, counter.total().ops
-        (65536.0, 3.0, 3.0)
+        ...     _ = (torch.ones(64, 32) @ torch.ones(32, 16)).t()
+        >>> counter.total().full_flops, counter.total().kernels, counter.total().ops   # the transpose: an op only
+        (65536.0, 3.0, 4.0)
     """
 
     def __init__(self, context: Any = None) -> None:
