@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 
+import pytest
 import torch
 
 from tests.helpers import load_benchmark
@@ -41,6 +42,22 @@ def test_the_twin_is_timed_variant_by_variant():
     seconds = host_twin.twin_seconds(rounds=1)
     assert set(seconds) == set(host_twin.VARIANTS)
     assert all(0 < value < float("inf") for value in seconds.values())
+
+
+def test_gpu_truths_host_rows_set_the_twin_beside_the_h200_and_the_ci_machine():
+    truth_host = load_benchmark("truth_host")
+    truth_device = load_benchmark("truth_device")
+    rows = truth_host.twin_rows(truth_device.TruthDevice.detect(prefer_cuda=False), rounds=1)
+    assert [row["variant"] for row in rows[:2]] == ["full", "selective"]
+    assert all(row["ratio"] > 1 for row in rows[:2])  # recomputation costs the host on a tiny step
+    committed = {
+        row["variant"]: row for row in host_twin.read_rows(host_twin.Path(host_twin.__file__).with_suffix(".csv"))
+    }
+    assert f"H200 (r50 b32): {committed['full']['h200']}×" in rows[0]["note"]
+    per_kernel = rows[2]
+    assert per_kernel["seconds"] == pytest.approx(
+        per_kernel["ratio"] * float(committed[host_twin.PER_KERNEL]["this_cpu"]) * 1e-6
+    )
 
 
 def test_the_summary_states_both_hosts_speeds_and_their_ratio(tmp_path):
