@@ -109,16 +109,15 @@ class _OldOffload(nn.Module):
         return host.to(device, non_blocking=host.is_pinned())
 
 
-def old_region_seconds() -> dict[str, tuple[float, float]]:
-    """The host's Python work per wrapped call and per forward op of the measured implementation's modes, beyond
+def old_region_seconds(modes: tuple[str, ...] = tuple(POLICIES)) -> dict[str, tuple[float, float]]:
+    """The host's Python work per wrapped call and per forward op of the measured implementation's ``modes``, beyond
     their kernels (the same beside the H200 as here; the kernels are priced at the device's host time per kernel)."""
     wrappers = {
-        "none": WRAPPERS["none"],
         "full": lambda model: nn.Sequential(*(_OldCheckpoint(block, False) for block in model)),
         "selective": lambda model: nn.Sequential(*(_OldCheckpoint(block, True) for block in model)),
         "offload": lambda model: nn.Sequential(*(_OldOffload(block) for block in model)),
     }
-    return host_costs(wrappers=wrappers).region_seconds
+    return host_costs(wrappers={"none": WRAPPERS["none"], **{mode: wrappers[mode] for mode in modes}}).region_seconds
 
 
 def then_work() -> dict[tuple[str, str], tuple[float, float]]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from host_twin import PER_KERNEL, twin_seconds, unchecked_kernels
+from host_twin import PER_KERNEL, then_kernels, twin_seconds
 from results import read_rows
 from truth_device import TruthDevice
 from truth_rows import row
@@ -104,7 +104,7 @@ def twin_rows(device: TruthDevice, rounds: int) -> list[dict]:
         )
         for variant in ("full", "selective")
     ]
-    kernels = unchecked_kernels()
+    kernels = then_kernels()
     ci_cpu = float(committed[PER_KERNEL]["this_cpu"]) * 1e-6
     rows.append(
         row(

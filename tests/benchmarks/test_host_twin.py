@@ -32,6 +32,7 @@ def test_the_twin_wraps_every_r50_block_and_trains_as_the_unwrapped_twin():
         module = host_twin.twin(variant)
         wrapped = [m for m in module.backbone.modules() if isinstance(m, host_twin._OldCheckpoint)]
         assert len(wrapped) == 24
+        assert all(("context_fn" in m.block.options) == (variant == "selective") for m in wrapped)
         found_loss, found = _gradients(variant)
         assert torch.equal(found_loss, loss)
         assert found.keys() == expected.keys()
@@ -42,6 +43,22 @@ def test_the_twin_is_timed_variant_by_variant():
     seconds = host_twin.twin_seconds(rounds=1)
     assert set(seconds) == set(host_twin.VARIANTS)
     assert all(0 < value < float("inf") for value in seconds.values())
+
+
+def test_the_planner_prices_the_h200_cases_wrapped_blocks_at_the_measured_implementations_costs(monkeypatch):
+    """Timed at 10 µs a kernel (full and selective 3× and 4× none) and priced at 100 µs a wrapped call (full) and
+    200 µs (selective), nothing a forward op: the rows say so, from r50's 24 blocks and the measured kernel counts."""
+    none = 638 * 1e-5
+    timed = {"none": none, "full": 3 * none, "selective": 4 * none}
+    monkeypatch.setattr(host_twin, "twin_seconds", lambda rounds: timed)
+    regions = {"full": (1e-4, 0.0), "selective": (2e-4, 0.0)}
+    monkeypatch.setattr(host_twin, "old_region_seconds", lambda modes: {mode: regions[mode] for mode in modes})
+    rows = {row["variant"]: row for row in host_twin.measure(rounds=1)}
+    assert [rows[variant]["this_cpu"] for variant in ("none", "full", "selective")] == ["1.000", "3.000", "4.000"]
+    assert rows["full"]["priced_here"] == f"{(1170 * 1e-5 + 24 * 1e-4) / none:.3f}"
+    assert rows["selective"]["priced_here"] == f"{(1118 * 1e-5 + 24 * 2e-4) / none:.3f}"
+    assert rows[host_twin.PER_KERNEL]["this_cpu"] == "10.0"
+    assert rows[host_twin.PER_KERNEL]["h200"] == f"{0.031590 / 638 * 1e6:.1f}"
 
 
 def test_gpu_truths_host_rows_set_the_twin_beside_the_h200_and_the_ci_machine():
@@ -74,7 +91,7 @@ def test_the_summary_states_both_hosts_speeds_and_their_ratio(tmp_path):
         writer.writerows(rows)
     text = " ".join(host_twin.summary(path).split())
     assert "cost 2.500× (full), 3.600× (selective) of its unchecked step" in text
-    assert "the H200's host-bound r50 step cost 2.800×, 3.500×" in text
-    assert "the planner says 2.600×, 3.500×" in text
-    assert "that host ran the same work 2.0× slower" in text
+    assert "the H200's host-bound r50 step cost 2.800×, 3.500× (within 11%)" in text
+    assert "the planner says 2.600×, 3.500× (within 4% of this CPU's)" in text
+    assert "this CPU 25.0 µs on its twin (2.0×)" in text
     assert "| selective | 3.600 | 3.500 | 3.500 |" in host_twin.table(path)
