@@ -16,7 +16,7 @@ per-region prices (measured here) do not share.
 from __future__ import annotations
 
 import argparse
-import time
+import functools
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from results import add_table_options, markdown_table, printed_table, prose, rea
 from truth_cases import face
 
 from lightning_memopt.planner.hardware import gpu
+from lightning_memopt.planner.host import fastest_seconds
 from lightning_memopt.planner.step_time import profiled_steps
 from lightning_memopt.tasks import FaceRecognitionModule
 
@@ -48,34 +49,19 @@ def twin(variant: str) -> FaceRecognitionModule:
 
 def twin_seconds(rounds: int = 15, device: torch.device | str = "cpu") -> dict[str, float]:
     """The fastest training step (loss, backward) of each variant's twin on ``device``; one thread, variants
-    interleaved, the gradients set to ``None`` before each (as the H200's steps were timed: no gradient is added to).
-    On a GPU its tiny kernels leave the step to the host that queues them; each step waits for them."""
+    interleaved, the gradients set to ``None`` first in each (as the H200's steps were timed: no gradient is added
+    to). On a GPU its tiny kernels leave the step to the host that queues them; each step waits for them."""
     device = torch.device(device)
     generator = torch.Generator().manual_seed(0)
     images, labels = torch.randn(2, 3, 16, 16, generator=generator), torch.randint(0, 16, (2,), generator=generator)
     batch = (images.to(device), labels.to(device))
-    modules = {variant: twin(variant).to(device) for variant in VARIANTS}
-    fastest = dict.fromkeys(VARIANTS, float("inf"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for round_index in range(rounds + 2):  # two warm-up rounds
-            for variant, module in modules.items():
-                module.zero_grad(set_to_none=True)
-                _synchronize(device)
-                started = time.perf_counter()
-                module.training_step(batch, 0).backward()
-                _synchronize(device)
-                if round_index >= 2:
-                    fastest[variant] = min(fastest[variant], time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(threads)
-    return fastest
 
+    def step(module: FaceRecognitionModule) -> None:
+        module.zero_grad(set_to_none=True)
+        module.training_step(batch, 0).backward()
 
-def _synchronize(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
+    runs = {variant: functools.partial(step, twin(variant).to(device)) for variant in VARIANTS}
+    return fastest_seconds(runs, rounds, warmups=2, device=device)
 
 
 def then_kernels(variant: str = "none") -> float:

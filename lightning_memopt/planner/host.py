@@ -105,24 +105,45 @@ def host_step_seconds(
     round waits for the device before its clock stops.
     """
     wrappers = WRAPPERS if wrappers is None else wrappers
-    device = torch.device(device)
     with disable_current_modes():
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            models = {variant: _built(name, blocks, wrap, device) for variant, wrap in wrappers.items()}
-            fastest = dict.fromkeys(wrappers, float("inf"))
-            for round_index in range(rounds + 1):
-                for variant, (model, x) in models.items():
-                    _synchronize(device)
-                    started = time.perf_counter()
-                    for _ in range(steps):
-                        _step(model, x)
-                    _synchronize(device)
-                    if round_index:
-                        fastest[variant] = min(fastest[variant], (time.perf_counter() - started) / steps)
-        finally:
-            torch.set_num_threads(threads)
+        models = {variant: _built(name, blocks, wrap, device) for variant, wrap in wrappers.items()}
+        runs = {variant: functools.partial(_step, model, x) for variant, (model, x) in models.items()}
+        return fastest_seconds(runs, rounds, steps=steps, device=device)
+
+
+def fastest_seconds(
+    runs: Mapping[str, Callable[[], object]],
+    rounds: int,
+    steps: int = 1,
+    warmups: int = 1,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """The fastest round of each of ``runs``, per call: the runs interleaved round by round, ``steps`` calls a round,
+    after ``warmups`` rounds, on one thread; on a ``device`` other than the CPU each round waits for it before its
+    clock starts and stops.
+
+    Example::
+
+        >>> seconds = fastest_seconds({"short": lambda: None, "long": lambda: sum(range(100_000))}, rounds=3)
+        >>> seconds["short"] < seconds["long"]
+        True
+    """
+    device = torch.device(device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fastest = dict.fromkeys(runs, float("inf"))
+        for round_index in range(warmups + rounds):
+            for name, run in runs.items():
+                _synchronize(device)
+                started = time.perf_counter()
+                for _ in range(steps):
+                    run()
+                _synchronize(device)
+                if round_index >= warmups:
+                    fastest[name] = min(fastest[name], (time.perf_counter() - started) / steps)
+    finally:
+        torch.set_num_threads(threads)
     return fastest
 
 
