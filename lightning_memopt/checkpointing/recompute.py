@@ -15,9 +15,9 @@ What the recomputation must see as the first run saw it:
 - random numbers: a block that drew any in the forward (``Dropout``, stochastic depth) redraws the
   same in backward. Whether it draws is found on its first call in each training mode (the
   generators' states compared before and after); only then are the states saved and restored per call;
-- batch-norm running statistics: updated once per step, by the first run; the recomputation updates
-  scratch copies (:class:`~lightning_memopt.checkpointing.recompute_state.ScratchNormStats`), kept between
-  steps.
+- batch-norm running statistics: updated once per step, by the first run; the recomputation runs with
+  tracking paused (:meth:`~lightning_memopt.checkpointing.recompute_state.NormStatistics.paused`): the
+  same output, and no kernel that updates statistics.
 
 Example::
 
@@ -199,7 +199,7 @@ class _Recompute(torch.autograd.Function):
                 torch.set_rng_state(cpu_state)
                 for device, device_state in device_states.items():
                     torch.cuda.set_rng_state(device_state, device)
-            stack.enter_context(call.state.norm_stats.swapped_in())
+            stack.enter_context(call.state.norm_stats.paused())
             output = call.run(detached, call.kept.replay() if call.kept is not None else None)
         recomputed = (
             [output]

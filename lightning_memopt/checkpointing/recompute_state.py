@@ -1,5 +1,5 @@
-"""What a checkpointed block keeps between its calls: scratch batch-norm statistics, whether it draws random
-numbers, whether selective recomputation pays on it, and where its parameters live.
+"""What a checkpointed block keeps between its calls: how its batch norms' statistics are left alone, whether it
+draws random numbers, whether selective recomputation pays on it, and where its parameters live.
 
 Example::
 
@@ -24,17 +24,25 @@ from lightning_memopt.checkpointing.selective_payoff import SelectivePayoff, pay
 from lightning_memopt.private_api import assign_buffer, disable_current_modes, is_batch_norm, tree_flatten
 
 
-class ScratchNormStats:
-    """The scratch running statistics a block's recomputation updates instead of the real ones, kept between calls.
+class NormStatistics:
+    """How a block's recomputation leaves its batch norms' running statistics alone: paused, or on scratch copies.
 
     A batch norm in training normalises by the batch's statistics: the running ones it updates never
-    change its output, so one scratch copy per buffer serves every recomputation of every step.
+    change its output. :meth:`paused` turns tracking off for the recomputation, so it launches no
+    update kernels at all; the recomputation of :func:`~lightning_memopt.checkpointing.recompute.recompute_in_backward`
+    builds a fresh graph and uses it. ``torch.utils.checkpoint`` instead checks that its recomputation saves
+    what the first run saved (the running buffers among them), so under it :meth:`swapped_in` puts scratch
+    copies in their place, one per buffer, kept between calls.
 
     Example::
 
         >>> norm = nn.BatchNorm1d(3)
-        >>> scratch = ScratchNormStats(norm)
-        >>> with scratch.swapped_in():
+        >>> statistics = NormStatistics(norm)
+        >>> with statistics.paused():
+        ...     _ = norm(torch.randn(4, 3))
+        >>> int(norm.num_batches_tracked), norm.running_mean.abs().sum().item(), norm.track_running_stats
+        (0, 0.0, True)
+        >>> with statistics.swapped_in():
         ...     _ = norm(torch.randn(4, 3))
         >>> int(norm.num_batches_tracked), norm.running_mean.abs().sum().item()
         (0, 0.0)
@@ -56,6 +64,18 @@ class ScratchNormStats:
         if self._norms is None:
             self._norms = [m for m in self.module.modules() if is_batch_norm(m)]
         return [m for m in self._norms if m.training and m.track_running_stats]
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Tracking off for the duration of a recomputation: the norms normalise as before and update nothing."""
+        norms = self.tracked()
+        for norm in norms:
+            norm.track_running_stats = False
+        try:
+            yield
+        finally:
+            for norm in norms:
+                norm.track_running_stats = True
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -111,12 +131,12 @@ class RandomDraws:
 
 
 class RecomputeState:
-    """What one checkpointed block keeps between its calls: its scratch statistics, whether it draws random
+    """What one checkpointed block keeps between its calls: its norms' statistics, whether it draws random
     numbers, and where its parameters live (read anew on every call: FSDP swaps the tensors in and out)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.norm_stats = ScratchNormStats(module)
+        self.norm_stats = NormStatistics(module)
         self.draws = RandomDraws()
         self._owners: list[tuple[nn.Module, str]] | None = None
 

@@ -64,7 +64,7 @@ class CheckpointedForward:
         self.module = module
         self.mode = mode
         self.previous = previous  # an instance forward that was there before ours, kept and restored
-        self.state = RecomputeState(module)  # scratch norm statistics and random draws, kept between calls
+        self.state = RecomputeState(module)  # norm statistics and random draws, kept between calls
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:

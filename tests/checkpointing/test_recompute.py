@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_memopt.checkpointing import apply_activation_checkpointing
 from lightning_memopt.checkpointing.recompute import reaches_one_input, recompute_in_backward
-from lightning_memopt.checkpointing.recompute_state import RandomDraws, RecomputeState, ScratchNormStats
+from lightning_memopt.checkpointing.recompute_state import RandomDraws, RecomputeState, NormStatistics
 from lightning_memopt.checkpointing.selective import KeepExpensive
 from lightning_memopt.checkpointing.wrap import CheckpointedForward
 
@@ -88,7 +88,7 @@ def test_random_draws_are_found_on_the_first_call_of_each_mode():
 
 def test_scratch_statistics_are_made_once_and_survive_pickling():
     norm = nn.BatchNorm1d(3)
-    scratch = ScratchNormStats(norm)
+    scratch = NormStatistics(norm)
     with scratch.swapped_in():
         first = norm.running_mean
         norm(torch.randn(4, 3))
