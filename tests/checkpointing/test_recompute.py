@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_memopt.checkpointing import apply_activation_checkpointing
 from lightning_memopt.checkpointing.recompute import reaches_one_input, recompute_in_backward
-from lightning_memopt.checkpointing.recompute_state import RandomDraws, RecomputeState, NormStatistics
+from lightning_memopt.checkpointing.recompute_state import NormStatistics, RandomDraws, RecomputeState
 from lightning_memopt.checkpointing.selective import KeepExpensive
 from lightning_memopt.checkpointing.wrap import CheckpointedForward
 
@@ -195,3 +195,30 @@ def test_the_recomputed_forward_backs_through_once_only():
     out = recompute_in_backward(RecomputeState(block), block.forward, (x,))
     with pytest.raises(RuntimeError, match=r"Linear is checkpointed: its backward cannot be differentiated"):
         torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+def test_full_recomputation_runs_the_block_forward_again_and_updates_no_statistics():
+    """The recomputation's extra kernels are the block's forward kernels less the statistics update: batch norms
+    recompute with tracking paused (scratch statistics would launch that update again), and the running statistics
+    move once per step."""
+    from lightning_memopt.memory.work import KernelCounter
+
+    def step(wrapped: bool) -> tuple[int, int, nn.BatchNorm1d]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU()))
+        if wrapped:
+            apply_activation_checkpointing(model, {"modules": ["1"], "mode": "full"})
+        x = torch.randn(8, 4)
+        with torch.no_grad(), KernelCounter() as block_forward:
+            model[1](model[0](x))
+        model[1][1].reset_running_stats()
+        with KernelCounter() as counter:
+            model(x).sum().backward()
+        return counter.kernels, block_forward.kernels - 1, model[1][1]  # less the first Linear's addmm
+
+    plain, block_forward, plain_norm = step(False)
+    wrapped, _, wrapped_norm = step(True)
+    update = 1  # num_batches_tracked.add_ (the CPU kernel updates the running mean and variance in place)
+    assert wrapped - plain == block_forward - update
+    assert torch.equal(wrapped_norm.running_mean, plain_norm.running_mean)
+    assert int(wrapped_norm.num_batches_tracked) == int(plain_norm.num_batches_tracked) == 1
