@@ -202,6 +202,7 @@ REGISTRY: dict[str, str | Renderer] = {
     "host_overhead.csv": "host_overhead:table",
     "cost_model_h200.csv": "cost_model_h200:table",
     "host_twin.csv": "host_twin:table",
+    "device_work.csv": "device_work:table",
     "memory_h200.csv": "memory_h200:table",  # once a GPU session commits it (python benchmarks/gpu_truth.py)
     # figures in prose
     "activation_checkpointing.csv targets": "activation_checkpointing:targets",
