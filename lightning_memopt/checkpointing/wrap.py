@@ -99,7 +99,7 @@ class CheckpointedForward:
         lean = getattr(self.module, "checkpointed_forward", None)
         if not callable(lean) or self.previous is not None:
             return None
-        # it would update their running statistics again on recomputing: the scratch-statistics path does not
+        # it would update their running statistics again on recomputing: recompute_in_backward pauses tracking
         tracked = (is_batch_norm(m) and m.training and m.track_running_stats for m in self.module.modules())
         return None if any(tracked) else lean
 
