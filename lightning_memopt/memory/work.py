@@ -71,6 +71,10 @@ def _cpu_attention_backward_flops(
 
 def _formulas() -> dict[Any, Callable[..., int]]:
     formulas: dict[Any, Callable[..., int]] = dict(flop_registry)
+    for packet, formula in flop_registry.items():  # ``baddbmm_``, ``addmm_``: the in-place variants do the same work
+        in_place = getattr(torch.ops.aten, f"{packet.__name__}_", None)
+        if in_place is not None:
+            formulas.setdefault(in_place, formula)
     if CPU_FLASH_ATTENTION_OPS is not None:
         forward, backward = CPU_FLASH_ATTENTION_OPS
         formulas[forward] = _cpu_attention_flops

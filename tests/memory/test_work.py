@@ -18,6 +18,16 @@ def test_matmul_flops_are_exact_and_split_by_precision():
     assert total.matmul_kernels == 2
 
 
+def test_in_place_matmuls_count_as_their_out_of_place_twins():
+    counter = WorkCounter()
+    acc, a, b = torch.zeros(3, 64, 16), torch.randn(3, 64, 32), torch.randn(3, 32, 16)
+    with counter:
+        acc.baddbmm_(a, b)
+        acc[0].addmm_(a[0], b[0])
+    assert counter.total().full_flops == 2 * 64 * 32 * 16 * (3 + 1)
+    assert counter.total().matmul_kernels == 2
+
+
 def test_cpu_fused_attention_is_counted():
     q = torch.randn(2, 4, 16, 8)
     counter = WorkCounter()
