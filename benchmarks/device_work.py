@@ -14,7 +14,9 @@ These are what a GPU's step time is made of: FLOPs where the device is the bound
 its host is (the H200's host spent about 50 µs a kernel), bytes over the link for offload. Each is exact, so a
 mode's excess over its physical limit shows without a GPU. The limits (issue 49): full recomputation at most one
 more forward of the wrapped blocks (FLOPs ≤ 1.34× none's, kernels added ≤ the wrapped blocks' forward kernels);
-selective at none's FLOPs, no more kernels than full, at most 4 Python calls per wrapped block.
+selective at none's FLOPs, no more kernels than full, at most 4 Python calls per wrapped block. A case whose blocks
+have a memory-lean recomputation of their own (Sapiens's head) gets a ``lean`` row too: full checkpointing by those
+paths, the planner's alternative where plain recomputation holds too much (not held to full's limits).
 ``--check`` exits 1 when a limit is missed and says which.
 
     python benchmarks/device_work.py             # the reference sizes, ~2 minutes on 2 cores
@@ -39,13 +41,13 @@ from results import add_table_options, markdown_table, printed_table, read_rows,
 from torch import Tensor, nn
 from truth_cases import Case, face, normals, tracking
 
-from lightning_memopt.checkpointing import checkpoint_modules, remove_activation_checkpointing
+from lightning_memopt.checkpointing import checkpoint_modules, lean_recompute, remove_activation_checkpointing
 from lightning_memopt.memory.step_parts import materialise, training_step_fn
 from lightning_memopt.memory.tracker import allocating_on_host
 from lightning_memopt.memory.work import WorkCounter
 from lightning_memopt.private_api import FakeTensorMode, tree_map
 
-MODES = {"none": None, "full": "auto", "selective": "selective", "offload": "offload"}
+MODES = {"none": None, "full": "auto", "selective": "selective", "offload": "offload", "lean": "lean"}
 FULL_FLOPS_LIMIT = 1.34  # one more forward of the wrapped blocks: at most 4/3 of a step (issue 49)
 SELECTIVE_CALLS_LIMIT = 4  # Python calls on the hot path per wrapped block (issue 49)
 _ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
@@ -122,6 +124,7 @@ class StepWork:
     link_bytes: float  # copied to the host (and as many back)
     python_calls: int
     wrapped: int  # the blocks the mode wrapped
+    cut: int  # of those, the blocks whose lean recomputation is cut in pieces (lean mode differs from full on them)
     wrapped_forward_kernels: float  # the kernels of those blocks' forward (counted in the same step)
     calls_by_kind: dict[str, int]
 
@@ -241,6 +244,7 @@ def count_step(case: Case, mode: str, loss_fn: Callable[[nn.Module, Any], Tensor
         link_bytes=counter.link_bytes,
         python_calls=sum(calls.values()),
         wrapped=wrapped[0],
+        cut=sum(_is_cut(block) for block in wrapped[1].values()),
         wrapped_forward_kernels=counter.total(blocks=tuple(wrapped[1])).kernels,
         calls_by_kind=dict(calls),
     )
@@ -254,6 +258,11 @@ def _wrapped_blocks(module: nn.Module, mode: str) -> tuple[int, dict[str, nn.Mod
     if MODES[mode] is not None:
         checkpoint_modules(module, MODES[mode])
     return (0 if MODES[mode] is None else len(blocks)), {name: modules[name] for name in blocks}
+
+
+def _is_cut(block: nn.Module) -> bool:
+    lean = lean_recompute(block)
+    return lean is not None and (lean.held_fraction, lean.forwards) != (1.0, 1.0)
 
 
 def _loss_of(case: Case) -> Callable[[nn.Module, Any], Tensor] | None:
@@ -277,10 +286,10 @@ def measure(cases: tuple[Case, ...]) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for case in cases:
         none = count_step(case, "none")
-        full = None
         for mode in MODES:
+            if mode == "lean" and not none.cut:
+                continue
             work = none if mode == "none" else count_step(case, mode)
-            full = work if mode == "full" else full
             rows.append(
                 {
                     "case": case.name,

@@ -38,6 +38,10 @@ PRECISION_FALLBACK = ("16-mixed", "bf16-mixed", "32-true")
 # how a checkpointed block keeps its activations: recomputed whole, recomputed but for the costly ops, on the host
 CHECKPOINT_MODES = ("full", "selective", "offload")
 CheckpointMode = Literal["full", "selective", "offload"]  # == CHECKPOINT_MODES
+# full checkpointing by a block's own memory-lean recomputation (``checkpointed_forward``), plain full where it has none
+LEAN = "lean"
+POLICY_MODES = (*CHECKPOINT_MODES, LEAN)  # the modes a checkpointing policy names
+PolicyMode = Literal["full", "selective", "offload", "lean"]  # == POLICY_MODES
 NO_CHECKPOINT = "none"
 # the planner's checkpoint knob: none, or a mode; from the cheapest to the most saving
 CHECKPOINT_KNOBS = (NO_CHECKPOINT, "selective", "full", "offload")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
+import torch
 from PIL import Image
 from torch import nn
 
@@ -220,3 +221,24 @@ def write_tracking_folder(root: Path, count: int, frames: int = 8, size: int = 3
         positions = rng.uniform(0, size - 1, size=(frames, tracks, 2)).astype(np.float32)
         write_tracking_clip(root / f"{index:03d}.npz", video, positions, np.ones((frames, tracks), dtype=bool))
     return root
+
+
+def fake_activation_peak(build, batch, loss_fn, policy=None) -> int:
+    """The activation peak (temporaries too) of one fake-mode step of ``build()`` on ``batch``, its blocks
+    checkpointed by ``policy`` (``None``: not at all); the SGD step's gradients are there from the start."""
+    from lightning_memopt.checkpointing import apply_activation_checkpointing
+    from lightning_memopt.memory import profile_step
+
+    def prepare(model):
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        if policy:
+            apply_activation_checkpointing(model, policy)
+
+    profile = profile_step(
+        build, batch, loss_fn=loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), mode="fake", steps=1,
+        prepare_model=prepare,
+    )  # fmt: skip
+    return profile.peak_bytes - sum(
+        profile.breakdown[k] for k in ("parameters", "gradients", "inputs", "optimizer_state")
+    )

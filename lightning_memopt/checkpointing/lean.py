@@ -1,8 +1,11 @@
-"""A block's own memory-lean recomputation: what it costs, so that the planner can price it.
+"""A block's own memory-lean recomputation: what it costs, so that the planner can weigh it.
 
-A module may define ``checkpointed_forward``: full checkpointing then calls it instead of
-``torch.utils.checkpoint`` (it keeps only its inputs and recomputes in pieces, e.g. channel chunks
-or spatial tiles). Its ``lean_recompute()`` says what that costs next to plain checkpointing.
+A module may define ``checkpointed_forward``: checkpointing it in ``"lean"`` mode then calls it
+(it keeps only its inputs and recomputes in pieces, e.g. channel chunks or spatial tiles, so its
+backward holds less again, for more kernels and sometimes more forwards); in ``"full"`` mode it is
+recomputed plainly, one forward again and nothing more. Its ``lean_recompute()`` says what the lean
+path costs next to the plain one; an activation budget's planner weighs both
+(:func:`~lightning_memopt.planner.plan_checkpointing`).
 """
 
 from __future__ import annotations

@@ -19,13 +19,15 @@ from typing_extensions import TypedDict
 from lightning_memopt.arguments import check_int
 from lightning_memopt.models.structure import model_structure
 from lightning_memopt.selection import ModuleSpec, normalise_specs, select_modules, spec_name
-from lightning_memopt.vocabulary import CHECKPOINT_MODES, CheckpointMode
+from lightning_memopt.vocabulary import LEAN, POLICY_MODES, PolicyMode
 
 # "auto": the blocks the model declares, else the repeated blocks discovered in it; "preset" is its old name
 AUTO = ("auto", "preset")
 AutoBlocks = Literal["auto", "preset"]  # == AUTO
-KEYWORDS = {"auto": "full", "preset": "full", "selective": "selective", "offload": "offload", "every_n": "full"}
-PolicyKeyword = Literal["auto", "preset", "selective", "offload", "every_n"]  # == tuple(KEYWORDS)
+KEYWORDS = {
+    "auto": "full", "preset": "full", "selective": "selective", "offload": "offload", "lean": LEAN, "every_n": "full"
+}  # fmt: skip
+PolicyKeyword = Literal["auto", "preset", "selective", "offload", "lean", "every_n"]  # == tuple(KEYWORDS)
 POLICY_KEYS = ("modules", "every_n", "mode")
 BUDGET_KEYS = ("budget", "modules")
 # the ``blocks`` argument: "auto" (declared, else discovered) or module classes, dotted class paths and name globs
@@ -37,7 +39,7 @@ class PolicyMapping(TypedDict, total=False):
 
     modules: AutoBlocks | ModuleSpec | Sequence[ModuleSpec] | None
     every_n: int | Literal["sqrt"] | None
-    mode: CheckpointMode
+    mode: PolicyMode
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,10 @@ class Policy:
             checkpoints (Chen et al. 2016); ``None`` wraps every match.
         mode: ``"full"`` recomputes the whole forward in the backward pass; ``"selective"`` saves the
             outputs of matmul, convolution and attention ops and recomputes the rest; ``"offload"``
-            recomputes nothing and keeps the saved activations in (pinned) host memory.
+            recomputes nothing and keeps the saved activations in (pinned) host memory; ``"lean"`` is
+            full recomputation by the module's own memory-lean path where it has one (a
+            ``checkpointed_forward``: chunks or tiles, less held again in backward for more kernels,
+            :mod:`~lightning_memopt.checkpointing.lean`), plain ``"full"`` where it has none.
 
     Raises:
         ValueError: an unknown ``mode``, an ``every_n`` below 1, or a module spec that is neither a
@@ -70,16 +75,16 @@ class Policy:
 
     modules: tuple[ModuleSpec, ...] | None = None
     every_n: int | Literal["sqrt"] | None = None
-    mode: CheckpointMode = "full"
+    mode: PolicyMode = "full"
 
     def __init__(
         self,
         modules: ModuleSpec | Iterable[ModuleSpec] | None = None,
         every_n: int | Literal["sqrt"] | None = None,
-        mode: CheckpointMode = "full",
+        mode: PolicyMode = "full",
     ) -> None:
-        if not isinstance(mode, str) or mode not in CHECKPOINT_MODES:
-            raise ValueError(f"Unknown `mode`={mode!r}; valid choices: {', '.join(CHECKPOINT_MODES)}")
+        if not isinstance(mode, str) or mode not in POLICY_MODES:
+            raise ValueError(f"Unknown `mode`={mode!r}; valid choices: {', '.join(POLICY_MODES)}")
         if every_n is not None and every_n != "sqrt":
             try:
                 every_n = check_int("every_n", every_n, minimum=1)
@@ -191,7 +196,7 @@ def parse_policy(spec: PolicySpec) -> tuple[Policy, ...] | tuple[ActivationBudge
     """Turn a policy given as an object, string, class, mapping or list of those into policies.
 
     Strings: ``"auto"`` (full recomputation of the model's declared, else discovered, blocks;
-    ``"preset"`` is the same), ``"selective"``, ``"offload"`` (those modes on the same blocks),
+    ``"preset"`` is the same), ``"selective"``, ``"offload"``, ``"lean"`` (those modes on the same blocks),
     ``"every_n"`` (every n-th of L sibling blocks, n = √L rounded), a dotted class path, or a
     module-name glob. A mapping holds :class:`Policy`
     arguments; ``{"budget": b}`` (and optionally ``"modules"``) is an :class:`ActivationBudget`, which

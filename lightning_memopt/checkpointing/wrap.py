@@ -27,6 +27,7 @@ from lightning_memopt.checkpointing.selective import selective_context
 from lightning_memopt.memory.autocast_lists import under_lists_of_forward
 from lightning_memopt.private_api import is_batch_norm
 from lightning_memopt.selection import describe_model
+from lightning_memopt.vocabulary import LEAN
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,10 @@ class CheckpointReport:
 class CheckpointedForward:
     """The instance ``forward`` of a checkpointed module: the class's forward, recomputed or offloaded.
 
-    In ``"full"`` mode a module with a ``checkpointed_forward`` method (a memory-lean recomputation
+    In ``"lean"`` mode a module with a ``checkpointed_forward`` method (a memory-lean recomputation
     that keeps nothing but its inputs for backward; see :mod:`lightning_memopt.models.structure`) is
-    run by that method instead of ``torch.utils.checkpoint`` — except while compiling, when another
-    instance forward was there before ours, or when it holds batch norms that track running statistics.
+    run by that method — except while compiling, when another instance forward was there before
+    ours, or when it holds batch norms that track running statistics; otherwise ``"lean"`` is ``"full"``.
     """
 
     def __init__(self, module: nn.Module, mode: str, previous: Callable[..., Any] | None) -> None:
@@ -78,7 +79,7 @@ class CheckpointedForward:
         if not torch.is_grad_enabled():  # nothing is saved for backward: nothing to recompute
             return self._forward(*args, **kwargs)
         compiling = torch.compiler.is_compiling()  # then the compiler plans the recomputation, never calling Python
-        if self.mode == "full" and not compiling:
+        if self.mode == LEAN and not compiling:
             lean = self._lean_forward()
             if lean is not None:
                 return lean(*args, **kwargs)

@@ -28,9 +28,12 @@ NOMINAL_SIZE = (256, 256)
 class ConvNormAct(nn.Sequential):
     """One head stage: a convolution, then InstanceNorm2d and SiLU (the unit activation checkpointing wraps).
 
-    Fully checkpointed (:meth:`checkpointed_forward`), it recomputes in chunks of output channels,
-    one at a time: :attr:`chunks` of them, or where that is None the fewest :attr:`piece_rule`
-    needs (:meth:`chunk_count`); one chunk is plain checkpointing.
+    Checkpointed in ``"lean"`` mode (:meth:`checkpointed_forward`), it recomputes in chunks of
+    output channels, one at a time: :attr:`chunks` of them, or where that is None the fewest
+    :attr:`piece_rule` needs (:meth:`chunk_count`); one chunk is plain checkpointing. Its backward
+    then holds a chunk's share again, for a few more kernels. In ``"full"`` mode it is recomputed
+    whole, one forward again and nothing more; an activation budget's planner weighs both
+    (:func:`~lightning_memopt.planner.plan_checkpointing`).
 
     Example::
 
@@ -50,7 +53,7 @@ class ConvNormAct(nn.Sequential):
         super().__init__(conv, nn.InstanceNorm2d(channels), nn.SiLU())
 
     def chunk_count(self, shape: Sequence[int], itemsize: int = 4) -> int:
-        """The chunks :meth:`checkpointed_forward` runs in for an input of ``shape`` (1: checkpointed whole).
+        """The chunks the lean recomputation runs in for an input of ``shape`` (1: checkpointed whole).
 
         Raises:
             ValueError: :attr:`chunks` is neither None nor a positive integer.
@@ -70,8 +73,7 @@ class ConvNormAct(nn.Sequential):
         In one chunk, or for a stage :func:`~lightning_memopt.models.lean_recompute.can_chunk` refuses
         (grouped conv, running statistics, …), it is checkpointed whole.
         """
-        chunks = self.chunk_count(x.shape, x.element_size())
-        if chunks > 1:
+        if (chunks := self.chunk_count(x.shape, x.element_size())) > 1:
             return chunked_conv_norm_act(self, x, chunks)
         # a stage that can be chunked is deterministic: no RNG state to keep
         return checkpoint(nn.Sequential.forward, self, x, use_reentrant=False, preserve_rng_state=not can_chunk(self))
@@ -83,18 +85,22 @@ class ConvNormAct(nn.Sequential):
 
 
 class ConvNormActChain(nn.Sequential):
-    """:class:`ConvNormAct` stages in a row; fully checkpointed, the 1×1 ones recompute over tiles of rows.
+    """:class:`ConvNormAct` stages in a row; checkpointed in ``"lean"`` mode, the 1×1 ones recompute over tiles of rows.
 
     Its :meth:`checkpointed_forward` runs the whole chain over tiles of rows (:attr:`tiles` of them,
-    or where that is None the fewest :attr:`piece_rule` needs: :meth:`tile_count`), so no
-    full-resolution tensor of the chain exists but its input and output and the input gradient's
-    buffer; one tile is plain checkpointing. State-dict keys are those of an ``nn.Sequential``.
+    or where that is None the fewest :attr:`piece_rule` needs: :meth:`tile_count`; one tile is plain
+    checkpointing), so no full-resolution tensor of the chain exists but its input and output and
+    the input gradient's buffer — for ``1 + (K + 1) / 2`` forwards of its ``K`` stages
+    (:meth:`lean_recompute`). In ``"full"`` mode it is recomputed whole, one forward of the chain
+    again and nothing more, holding all of it again in its backward; an activation budget's planner
+    weighs both (:func:`~lightning_memopt.planner.plan_checkpointing`). State-dict keys are those of
+    an ``nn.Sequential``.
 
     Example::
 
         >>> import torch
         >>> chain = ConvNormActChain(ConvNormAct(nn.Conv2d(4, 8, 1), 8), ConvNormAct(nn.Conv2d(8, 8, 1), 8))
-        >>> chain.tile_count((2, 4, 6, 5))    # 4 maps of 8 channels a tile at most 1/8 of 4 + 8 + 8
+        >>> chain.tile_count((2, 4, 6, 5))    # 5 maps of 8 channels a tile at most 1/8 of 4 + 8 + 8: all 6 rows
         6
         >>> x = torch.randn(2, 4, 6, 5, requires_grad=True)
         >>> bool(torch.allclose(chain.checkpointed_forward(x), chain(x), atol=1e-5))
@@ -105,7 +111,7 @@ class ConvNormActChain(nn.Sequential):
     piece_rule: PieceRule = PieceRule()  # how few; a NormalHead gives the chain its headroom
 
     def tile_count(self, shape: Sequence[int], itemsize: int = 4) -> int:
-        """The tiles :meth:`checkpointed_forward` runs in for an input of ``shape`` (1: checkpointed whole).
+        """The tiles the lean recomputation runs in for an input of ``shape`` (1: checkpointed whole).
 
         Raises:
             ValueError: :attr:`tiles` is neither None nor a positive integer.
@@ -126,17 +132,17 @@ class ConvNormActChain(nn.Sequential):
         for a chain with a stage that is no 1×1, stride-1, unpadded conv (or that
         :func:`~lightning_memopt.models.tiled_chain.can_tile` refuses otherwise), it is checkpointed whole.
         """
-        tiles = self.tile_count(x.shape, x.element_size())
-        if tiles > 1:
+        if (tiles := self.tile_count(x.shape, x.element_size())) > 1:
             return tiled_conv_norm_act_chain(list(self), x, tiles)
         tileable = can_tile(list(self))  # then deterministic: no RNG state to keep
         return checkpoint(nn.Sequential.forward, self, x, use_reentrant=False, preserve_rng_state=not tileable)
 
     def lean_recompute(self) -> LeanRecompute:
-        """For the planner: one tile held again at a time. Of the chain's K stages, backward recomputes all once for
-        the output gradient, then for each stage k stages 1…k again: 1 + (K + 1) / 2 forwards of the chain (its
-        gradient products are plain checkpointing's). Where a stage is wider than the last, the forward also
-        recomputes stages 1…k for each stage's statistics: K + 2 forwards."""
+        """For the planner: one tile held again at a time. Of the
+        chain's K stages, backward recomputes all once for the output gradient, then for each stage k stages 1…k
+        again: 1 + (K + 1) / 2 forwards of the chain (its gradient products are plain checkpointing's). Where a
+        stage is wider than the last, the forward also recomputes stages 1…k for each stage's statistics: K + 2
+        forwards."""
         tiles = self.tile_count((1, self[0][0].in_channels, *NOMINAL_SIZE)) if len(self) else 1
         if tiles == 1:
             return LeanRecompute(held_fraction=1.0, forwards=1.0)
@@ -156,12 +162,15 @@ class NormalHead(nn.Module):
     it (the loss, the metrics, inference). With the published three deconv stages, a 64 × 48 feature
     map becomes a 512 × 384 normal map.
 
-    Under full activation checkpointing the deconv stages recompute in chunks of channels and the 1×1
+    Under "lean" activation checkpointing the deconv stages recompute in chunks of channels and the 1×1
     chain over tiles of rows, each cut into the fewest pieces memory needs (:class:`PieceRule`): the
     chain's backward holds its input, output gradient and input gradient anyway, the largest such
     floor of the head, so a deconv stage is cut only as far as its recomputation would hold more than
     that (the presets: the first two whole, the third in 2 chunks), and a tile of the chain holds at
-    most 1/8 of its floor (11 tiles at the presets' 768 channels).
+    most 1/8 of its floor (14 tiles at the presets' 768 channels). The tiled chain costs 3 forwards of
+    its three stages where plain checkpointing costs 1 and holds all of it again: the ``"lean"``
+    checkpointing mode runs the former, ``"full"`` the latter, and an activation budget's planner
+    weighs both (:func:`~lightning_memopt.planner.plan_checkpointing`).
 
     Args:
         in_channels: channels ``C`` of the feature map.

@@ -10,10 +10,10 @@ model, and fills the parts no module declares with the repeated blocks that
 
 A block may also say how to recompute itself leanly: a method ``checkpointed_forward(*args,
 **kwargs)`` returning what ``forward`` returns, but keeping nothing for backward except its inputs
-(it checkpoints its own pieces). Under full activation checkpointing it then runs instead of
-``torch.utils.checkpoint`` (not while compiling, nor for a block holding batch norms that track
-running statistics); the normal head's stages compute in channel chunks and its 1×1 chain over
-tiles of rows this way (:mod:`~lightning_memopt.models.lean_recompute`,
+(it checkpoints its own pieces). Checkpointed in ``"lean"`` mode it then runs instead of the
+plain recomputation (not while compiling, nor for a block holding batch norms that track running
+statistics); ``"full"`` recomputes such a block plainly too. The normal head's stages compute in
+channel chunks and its 1×1 chain over tiles of rows this way (:mod:`~lightning_memopt.models.lean_recompute`,
 :mod:`~lightning_memopt.models.tiled_chain`).
 
 Example::
@@ -91,7 +91,7 @@ class MemoryStructure:
 
     Args:
         blocks: its repeated blocks, the units of checkpointing, offload and FSDP sharding (one
-            with a ``checkpointed_forward`` method recomputes by it under full checkpointing).
+            with a ``checkpointed_forward`` method recomputes by it under ``"lean"`` checkpointing).
             ``None`` declares nothing (its submodules are searched for repeated blocks); an empty
             sequence declares that it has none worth wrapping.
         fp32_islands: submodules that should run in fp32 under autocast.

@@ -1,12 +1,15 @@
 """A chain of 1×1 conv → InstanceNorm2d → activation stages recomputed over tiles of rows.
 
 :func:`tiled_conv_norm_act_chain` keeps for backward only the chain's input and each stage's
-instance-norm statistics (two numbers per sample and channel). A 1×1 conv is a matrix product over
-the pixels: the map is flattened to ``[B, C, H·W]`` and a tile of rows is a range of its columns.
-The conv bias is left out: the instance norm right after it subtracts it again, so the output is
-the same and the bias's gradient is exactly zero.
+instance-norm statistics (two numbers per sample and channel). The map is flattened to
+``[B, C, H·W]`` and a tile of rows is a range of its columns; each 1×1 conv runs on a tile as a
+convolution (of the tile as an ``n × 1`` image), its gradients as convolution gradients
+(``torch.nn.grad``), so cuDNN runs them in TF32 where torch lets fp32 convolutions use it (its
+default) as it does the unchecked head's; as a matrix product (``bmm``) they would get TF32 only
+where fp32 matmuls may (not by default). The conv bias is left out: the instance norm right after it
+subtracts it again, so the output is the same and the bias's gradient is exactly zero.
 
-Forward, one pass over the tiles per stage: each conv output is written over the one before in the
+Forward, one pass over the tiles per stage: each conv output is copied over the one before in the
 output buffer (where no stage is wider than the last; otherwise each stage's pass recomputes the
 stages before it), and each tile's mean and variance come from one fp32 ``var_mean``, merged at
 once by Chan et al.'s formula. That is one read of the data and as accurate as instance norm's own
@@ -34,15 +37,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from lightning_memopt.models.lean_recompute import Stage, check_pieces, elementwise_activation, input_statistics_norm
 
 # tile-sized tensors (of the widest stage) that one tile of the backward holds at once: the stage input,
-# its pre-activation (kept for the activation's derivative) and its centred conv output, and the next
-# stage's conv output turned into its gradient in place (the input's gradient goes to the shared buffer)
-TILE_TENSORS = 4
+# its pre-activation (kept for the activation's derivative) and its centred conv output, the next
+# stage's conv output turned into its gradient in place, and the input gradient the conv's gradient makes
+TILE_TENSORS = 5
 
 
 def can_tile(stages: Sequence[Sequence[nn.Module]]) -> bool:
@@ -88,8 +92,8 @@ def tile_memory(stages: Sequence[Sequence[nn.Module]], shape: Sequence[int], ite
     Example::
 
         >>> stages = [(nn.Conv2d(8, 8, 1), nn.InstanceNorm2d(8), nn.SiLU())] * 3
-        >>> tile_memory(stages, (1, 8, 4, 4))   # 4 and 3 maps of 8 × 4 × 4 fp32
-        (2048, 1536)
+        >>> tile_memory(stages, (1, 8, 4, 4))   # 5 and 3 maps of 8 × 4 × 4 fp32
+        (2560, 1536)
     """
     batch, channels, height, width = shape
     widths = [channels, *(stage[0].out_channels for stage in stages)]
@@ -122,9 +126,20 @@ def tiled_conv_norm_act_chain(stages: Sequence[Sequence[nn.Module]], x: Tensor, 
     return _tiled_chain_function(x.device.type).apply(chain, x, *chain.parameters())
 
 
-def _product(weight: Tensor, h: Tensor, out: Tensor | None = None) -> Tensor:
-    """The 1×1 conv ``[out, in]`` × ``[B, in, pixels]``: one batched matrix product (``matmul`` adds a reshape)."""
-    return torch.bmm(weight.expand(h.shape[0], -1, -1), h, out=out)
+def _conv(weight: Tensor, h: Tensor) -> Tensor:
+    """The 1×1 conv of ``weight`` ``[out, in, 1, 1]`` over ``h`` ``[B, in, pixels]``: ``[B, out, pixels]``."""
+    return F.conv2d(h.unsqueeze(-1), weight).squeeze(-1)
+
+
+def _conv_input_grad(weight: Tensor, grad: Tensor) -> Tensor:
+    """The gradient at the input of :func:`_conv` from ``grad`` ``[B, out, pixels]`` at its output."""
+    size = (grad.shape[0], weight.shape[1], grad.shape[2], 1)
+    return torch.nn.grad.conv2d_input(size, weight, grad.unsqueeze(-1)).squeeze(-1)
+
+
+def _conv_weight_grad(h: Tensor, weight: Tensor, grad: Tensor) -> Tensor:
+    """The gradient of :func:`_conv`'s ``weight`` from its input ``h`` and ``grad`` at its output, summed over B."""
+    return torch.nn.grad.conv2d_weight(h.unsqueeze(-1), weight.shape, grad.unsqueeze(-1))
 
 
 Affine = tuple[Tensor, Tensor]  # per sample and channel, [B, C, 1], fp32: normalised = z · scale + shift
@@ -156,9 +171,9 @@ class _Chain:
         return (conv.weight, conv.bias, norm.weight, norm.bias)[kind]
 
     def prepare(self, dtype: torch.dtype) -> None:
-        """Cast each conv weight once to the compute dtype, as a ``[out, in]`` matrix."""
+        """Cast each conv weight once to the compute dtype."""
         self.dtype = dtype
-        self.weights = [conv.weight.detach().reshape(conv.out_channels, -1).to(dtype) for conv, _, _ in self.stages]
+        self.weights = [conv.weight.detach().to(dtype) for conv, _, _ in self.stages]
 
     def affine(self, index: int, mean: Tensor, rstd: Tensor) -> Affine:
         norm = self.stages[index][1]
@@ -174,7 +189,7 @@ class _Chain:
         """The first ``stages`` stages on the input ``tile``."""
         h = tile.to(self.dtype)
         for index in range(stages):
-            h = self.norm_act(index, _product(self.weights[index], h), affines[index])
+            h = self.norm_act(index, _conv(self.weights[index], h), affines[index])
         return h
 
     def statistics(self, index: int, moments: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -219,16 +234,18 @@ class _Chain:
     def forward_tile(
         self, flat: Tensor, out: Tensor, index: int, top: int, bottom: int, affines: list[Affine], workspace: bool
     ) -> tuple[Tensor, Tensor] | None:
-        """Stage ``index``'s conv output on a tile (written to the buffer where it is the workspace); its (var, mean)
+        """Stage ``index``'s conv output on a tile (copied to the buffer where it is the workspace); its (var, mean)
         in fp32 unless the whole stage's are taken from the buffer in fp32 at once."""
         if not workspace:
-            z = _product(self.weights[index], self.run(flat[:, :, top:bottom], affines, index))
+            z = _conv(self.weights[index], self.run(flat[:, :, top:bottom], affines, index))
             return torch.var_mean(z.float(), dim=2, correction=0)
         if index:
             h = self.norm_act(index - 1, out[:, : self.widths[index], top:bottom], affines[-1])
         else:
             h = flat[:, :, top:bottom].to(self.dtype)
-        z = _product(self.weights[index], h, out=out[:, : self.widths[index + 1], top:bottom])
+        z = _conv(self.weights[index], h)
+        del h
+        out[:, : self.widths[index + 1], top:bottom].copy_(z)
         return None if z.dtype == torch.float32 else torch.var_mean(z.float(), dim=2, correction=0)
 
 
@@ -316,7 +333,7 @@ class _Backward:
         """Stage ``index`` on a tile: its centred conv output (fp32), its pre-activation (a leaf) and its output."""
         chain = self.chain
         h = chain.run(self.flat[:, :, top:bottom], self.affines, index)
-        z = _product(chain.weights[index], h)
+        z = _conv(chain.weights[index], h)
         del h
         centred = z - self.stats[index][0][..., None]
         scale, shift = self.affines[index]
@@ -366,7 +383,7 @@ class _Backward:
         else:
             h = self.flat[:, :, top:bottom].to(chain.dtype)
         weight = chain.weights[index]
-        z = _product(weight, h)
+        z = _conv(weight, h)
         dz = z.sub_(mean) if z.dtype == torch.float32 else z - mean
         del z
         torch.addcmul(offset, dz, slope, out=dz)
@@ -375,25 +392,23 @@ class _Backward:
             self.add_weight_grad(index, dz, h)
         del h
         if index and self.need_sums[before]:
-            target = self.buffer[:, : widths[index], top:bottom]
-            _product(weight.mT, dz, out=target)
+            target = _conv_input_grad(weight, dz)
             del dz
             g = torch.autograd.grad(post, pre, target)[0]
-            del pre, post
+            del pre, post, target
             return self.store(g, centred, top, bottom, before)
         if not index and self.need_x:
-            _product(weight.mT, dz, out=self.buffer[:, : widths[0], top:bottom])
+            self.buffer[:, : widths[0], top:bottom].copy_(_conv_input_grad(weight, dz))
         return None
 
     def add_weight_grad(self, index: int, dz: Tensor, h: Tensor) -> None:
+        """Add stage ``index``'s weight gradient on a tile (in fp32, summed over the batch) to the stage's total."""
+        grad = _conv_weight_grad(h, self.chain.weights[index], dz)
         found = self.weight_grads[index]
         if found is None:
-            shape = (dz.shape[0], dz.shape[1], h.shape[1])
-            found = self.weight_grads[index] = dz.new_zeros(shape, dtype=torch.float32)
-        if dz.dtype == torch.float32:
-            found.baddbmm_(dz, h.mT)
+            self.weight_grads[index] = grad.float()
         else:
-            found.add_(torch.bmm(dz, h.mT))
+            found.add_(grad)
 
     def gradients(self) -> list[Tensor | None]:
         """The input gradient, then each parameter's (None where none is wanted)."""
@@ -409,7 +424,7 @@ class _Backward:
                 found.append(None)
             elif kind == 0:
                 total = self.weight_grads[index]
-                found.append(None if total is None else total.sum(0).view_as(parameter).to(parameter.dtype))
+                found.append(None if total is None else total.to(parameter.dtype))
             elif kind == 1:  # the conv bias right before an instance norm: no effect, so exactly zero
                 found.append(torch.zeros_like(parameter))
             else:

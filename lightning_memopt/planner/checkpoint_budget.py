@@ -2,7 +2,8 @@
 
 One fake-mode profile of a training step prices every block's options; the checkpointing frontier
 (:mod:`~lightning_memopt.planner.frontier`) picks. ``ActivationCheckpointing({"budget": b})`` runs it
-in a fit.
+in a fit. A block with a lean recomputation of its own (:mod:`~lightning_memopt.checkpointing.lean`)
+is weighed both ways: ``"full"`` (plain, one forward again) and ``"lean"`` (less held again, more work).
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ def plan_checkpointing(
     """The fastest per-block checkpointing of ``model`` whose activation peak on ``batch`` is within ``budget``.
 
     One fake-mode profile of a step (nothing allocated) prices each block's options; :class:`Frontier`
-    picks. Apply the result with ``apply_activation_checkpointing(model, choice.policy())``.
+    picks. Apply the result with ``apply_activation_checkpointing(model, choice.policy())``. A block
+    with a lean recomputation is weighed plain (``"full"``) and lean (``"lean"``): at a budget the
+    plain one meets, that is the faster.
 
     Args:
         model: an ``nn.Module`` (a LightningModule uses its ``training_step``) or a function building one.

@@ -10,7 +10,7 @@ import torch
 from lightning_memopt.memory.work import Work
 from lightning_memopt.planner.hardware import Hardware
 from lightning_memopt.planner.sharding import UNSHARDED, ShardedTraffic
-from lightning_memopt.vocabulary import GB
+from lightning_memopt.vocabulary import GB, LEAN
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,8 @@ def step_cost(
     communication = traffic.peer_bytes * micro_batches / (hardware.peer_link_gbps * GB)
     checkpointing = 0.0
     for mode, (calls, ops) in (regions or {}).items():
-        per_call, per_op = hardware.region_seconds.get(mode, (0.0, 0.0))
+        # a lean recomputation's Python work: priced as full recomputation's (its pieces' kernels are counted apart)
+        per_call, per_op = hardware.region_seconds.get("full" if mode == LEAN else mode, (0.0, 0.0))
         checkpointing += (calls * per_call + ops * per_op) * micro_batches
     host = 0.0
     if traffic.optimizer_on_host:

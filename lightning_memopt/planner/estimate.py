@@ -19,6 +19,7 @@ from lightning_memopt.checkpointing import SAVED_OP_NAMES, LeanRecompute
 from lightning_memopt.memory.profile import MemoryProfile
 from lightning_memopt.memory.tracker import CATEGORIES, PARAMETER_CAST
 from lightning_memopt.memory.work import Work
+from lightning_memopt.vocabulary import LEAN
 
 STEP_PHASES = ("forward", "backward")
 # the moments a step's memory is known at: each phase's peak, and the backward pass at its most bytes other than
@@ -91,9 +92,10 @@ def checkpointed(
     extra_bytes: int = 0,
     lean: Mapping[str, LeanRecompute] | None = None,
 ) -> StepEstimate:
-    """Estimate checkpointing each block of ``modes`` in its mode (``"full"``, ``"selective"`` or ``"offload"``).
+    """Estimate checkpointing each block of ``modes`` in its mode (``"full"``, ``"selective"``, ``"offload"``,
+    ``"lean"``).
 
-    ``lean``: the blocks with a lean recomputation of their own, and its cost (used in full mode).
+    ``lean``: the blocks with a lean recomputation of their own, and its cost (used in ``"lean"`` mode).
 
     Example::
 
@@ -153,20 +155,23 @@ def checkpointed_regions(anchor: MemoryProfile, modes: Mapping[str, str]) -> dic
 
 
 def recomputed_work(forward: Work, mode: str, lean: LeanRecompute | None = None) -> Work:
-    """What checkpointing a block in ``mode`` runs again, given its ``forward`` work (and its lean recomputation)."""
-    if mode == "full":
-        return forward if lean is None else forward.scaled(lean.forwards)
+    """What checkpointing a block in ``mode`` runs again, given its ``forward`` work (and, in ``"lean"`` mode, its lean
+    recomputation: without one, ``"lean"`` is ``"full"``)."""
+    if mode == LEAN and lean is not None:
+        return forward.scaled(lean.forwards)
+    if mode in ("full", LEAN):
+        return forward
     return forward.without_matmuls() if mode == "selective" else Work()
 
 
 def held_bytes(anchor: MemoryProfile, block: str, freed: int, mode: str, lean: LeanRecompute | None = None) -> int:
     """What ``block``, freeing ``freed`` bytes in ``mode``, holds again at once while its backward runs: recomputed,
-    all of it and its output (a lean recomputation its share); offloaded, all of it, and meanwhile the next block's
-    copies come back ahead of its backward (taken to be as large)."""
+    all of it and its output (in ``"lean"`` mode, a lean recomputation its share); offloaded, all of it, and
+    meanwhile the next block's copies come back ahead of its backward (taken to be as large)."""
     account = anchor.blocks.get(block)
     if mode == "offload":
         return 2 * freed  # its copies back, and those of the block backward reaches next (prefetched meanwhile)
-    if lean is not None and mode == "full":
+    if lean is not None and mode == LEAN:
         return int(freed * lean.held_fraction)
     # recomputed in one piece, the block makes its output again too (its backward starts from it)
     return freed + (account.output_bytes if account is not None else 0)

@@ -27,7 +27,7 @@ from lightning_memopt.memory.work import Work
 from lightning_memopt.planner.cost import step_cost
 from lightning_memopt.planner.estimate import STEP_MOMENTS, StepEstimate, freed_bytes, held_bytes, recomputed_work
 from lightning_memopt.planner.hardware import Hardware
-from lightning_memopt.vocabulary import CHECKPOINT_MODES, NO_CHECKPOINT
+from lightning_memopt.vocabulary import CHECKPOINT_MODES, LEAN, NO_CHECKPOINT
 
 RESOLUTION = 8192  # the byte steps of the knapsack: 1/RESOLUTION of what all blocks can free at most
 LARGEST_BOUNDS = 48  # at most this many bounds on the largest block freed are tried (evenly spread over them)
@@ -104,7 +104,8 @@ def block_options(
     A mode that frees nothing is left out: offload where the host is the device (``hardware.host_is_device``:
     this CPU), whose host copies stay in the same memory. An offloaded block's output is counted apart: it leaves the
     device only when the next block is offloaded too. ``lean``: the blocks with a lean recomputation
-    of their own, priced by what they declare.
+    of their own, priced by what they declare: each gets a ``"lean"`` option beside plain ``"full"``
+    (unless it is the plain one: in one piece, one forward).
 
     Example::
 
@@ -127,7 +128,8 @@ def block_options(
             continue
         forward = anchor.work(("forward",), (name,))
         found = [BlockOption(NO_CHECKPOINT, 0, 0.0)]
-        for mode in CHECKPOINT_MODES:
+        cut = name in lean and (lean[name].held_fraction, lean[name].forwards) != (1.0, 1.0)
+        for mode in (*CHECKPOINT_MODES, LEAN) if cut else CHECKPOINT_MODES:
             if mode == "offload" and hardware.host_is_device:
                 continue
             freed = account.saved_bytes if mode == "offload" else freed_bytes(anchor, {name: mode})[name]

@@ -14,7 +14,7 @@ from lightning_memopt.planner.sharding import Sharding
 from lightning_memopt.vocabulary import (
     ATTENTION_IMPLS,
     CHECKPOINT_KNOBS,
-    CHECKPOINT_MODES,
+    POLICY_MODES,
     PRECISIONS,
     AttentionImpl,
     CheckpointKnob,
@@ -50,7 +50,7 @@ class Knobs:
             the modes of ``checkpoint_blocks``.
         every_n: checkpoint every n-th of each run of sibling blocks (1: all of them).
         checkpoint_blocks: with ``checkpoint="per_block"``, ``(module name, mode)`` pairs (or a mapping):
-            each named block checkpointed in its mode (``"full"``, ``"selective"``, ``"offload"``), the
+            each named block checkpointed in its mode (``"full"``, ``"selective"``, ``"offload"``, ``"lean"``), the
             others kept, as the planner's checkpointing frontier picks them.
         micro_batch_size: split each batch into micro-batches of this size, gradients accumulated
             into the same optimizer step; ``None``: whole batches.
@@ -148,7 +148,8 @@ class Knobs:
             >>> Knobs().with_block_modes({"a": "full"}, ["a", "b"]).checkpoint_blocks
             (('a', 'full'),)
         """
-        uniform = set(modes) == set(blocks) and len(set(modes.values())) == 1
+        one_mode = set(modes.values())
+        uniform = set(modes) == set(blocks) and len(one_mode) == 1 and one_mode <= {*CHECKPOINT_KNOBS}
         if not modes or uniform:
             mode = next(iter(modes.values()), "none")
             return replace(self, checkpoint=mode, every_n=1, checkpoint_blocks=())
@@ -199,8 +200,8 @@ def _block_modes(values: Any) -> tuple[tuple[str, str], ...]:
         name, mode = pair
         if not isinstance(name, str) or not name:
             raise ValueError(f"`checkpoint_blocks` entry {pair!r}: the module name must be a non-empty string")
-        if mode not in CHECKPOINT_MODES:
-            choices = ", ".join(CHECKPOINT_MODES)
+        if mode not in POLICY_MODES:
+            choices = ", ".join(POLICY_MODES)
             raise ValueError(f"`checkpoint_blocks` entry {pair!r}: unknown mode {mode!r}; valid choices: {choices}")
         checked.append((name, str(mode)))
     return tuple(checked)

@@ -10,9 +10,6 @@ device_work = load_benchmark("device_work")
 CASES = {case.name: case for case in device_work.REDUCED}
 # CoTracker's tiny step takes about a minute to count in every mode: the slow run holds it
 NAMES = [pytest.param(name, marks=pytest.mark.slow) if "cotracker" in name else name for name in CASES]
-# the Sapiens head's lean recomputation runs its tiled chain's statistics in several passes: held to the limit
-# once the head recomputes once (not yet: its row is left out of the full-mode limit here)
-FULL_AT_THE_LIMIT = [name for name in NAMES if "sapiens" not in str(name)]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +24,7 @@ def counted():
     return count
 
 
-@pytest.mark.parametrize("name", FULL_AT_THE_LIMIT)
+@pytest.mark.parametrize("name", NAMES)
 def test_full_recomputation_does_one_more_forward_of_the_wrapped_blocks(counted, name):
     none, full = counted(name, "none"), counted(name, "full")
     assert full.wrapped > 0
@@ -49,13 +46,21 @@ def test_offload_moves_bytes_over_the_link_not_kernels_or_flops(counted, name):
     assert offload.flops == none.flops and offload.kernels <= none.kernels
 
 
+def test_the_sapiens_heads_lean_recomputation_is_counted_apart_for_more_work(counted):
+    """Full recomputes the head plainly (held to the limit above); lean runs its chunked and tiled paths: more work."""
+    name = "sapiens_tiny b2 64×48"
+    none, full, lean = (counted(name, mode) for mode in ("none", "full", "lean"))
+    assert none.cut == 2 and lean.wrapped == full.wrapped  # the third deconv stage in chunks, the chain in tiles
+    assert lean.flops > full.flops and lean.kernels > full.kernels
+
+
 def test_the_counts_see_what_they_count(counted):
     """Host copies are link bytes, not kernels; dispatch-mode calls and saved-tensor hooks are counted apart."""
     name = "iresnet_tiny b8 32²"
     selective = counted(name, "selective")
     assert set(selective.calls_by_kind) == {"dispatch-mode ops"} and selective.python_calls > 0
     assert counted(name, "none").python_calls == 0
-    with pytest.raises(ValueError, match="`mode`='partial'; valid choices: none, full, selective, offload"):
+    with pytest.raises(ValueError, match="`mode`='partial'; valid choices: none, full, selective, offload, lean"):
         device_work.count_step(CASES[name], "partial")
 
 

@@ -61,9 +61,8 @@ def test_fit_checkpoints_during_training_gives_the_same_weights_and_restores_the
         "blocks declared"
     ]
     assert all(checkpoint_mode(m) is None for m in checkpointed.modules())  # removed in teardown
-    # the head's stages recompute leanly (channel chunks, row tiles): equal within fp32 rounding, not bitwise
     for (name, expected), got in zip(reference.state_dict().items(), checkpointed.state_dict().values(), strict=True):
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=name)
+        assert torch.equal(got, expected), name
 
 
 def test_layers_built_in_configure_model_are_checkpointed_before_the_strategy_wraps():

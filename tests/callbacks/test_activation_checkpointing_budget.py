@@ -28,11 +28,23 @@ def test_a_budget_checkpoints_the_chosen_blocks_and_keeps_the_result():
     reference = _fit(TinyViTModule(), None)
     callback = ActivationCheckpointing({"budget": 0.6}, sample_batch=(torch.randn(2, 3, 64, 48),))
     checkpointed = _fit(TinyViTModule(), callback)
-    assert callback.chosen and set(callback.chosen.values()) <= {"full", "selective", "offload"}
+    assert callback.chosen and set(callback.chosen.values()) <= {"full", "selective", "offload", "lean"}
     assert callback.report.modules == callback.chosen  # what was chosen is what was wrapped
     assert all(checkpoint_mode(m) is None for m in checkpointed.modules())  # removed in teardown
     for (name, expected), got in zip(reference.state_dict().items(), checkpointed.state_dict().values(), strict=True):
         assert torch.allclose(expected, got, atol=1e-6), name
+
+
+def test_a_budget_checkpoints_the_head_chain_leanly_only_where_the_plain_chain_misses_it():
+    head = ["network.head.upsample.*", "network.head.refine"]
+    callback = ActivationCheckpointing({"budget": 0.5, "modules": head}, sample_batch=(torch.randn(2, 3, 128, 96),))
+    _fit(TinyViTModule(), callback)
+    assert callback.chosen == {"network.head.refine": "lean"}  # only the lean chain meets it
+    assert callback.report.modules == {"network.head.refine": "lean"}
+    # on the loader's smaller maps another way meets it (plain recomputation, or offload as this CPU prices it): faster
+    callback = ActivationCheckpointing({"budget": 0.6})
+    _fit(TinyViTModule(), callback)
+    assert list(callback.chosen) == ["network.head.refine"] and callback.chosen["network.head.refine"] != "lean"
 
 
 def test_a_budget_the_activations_fit_checkpoints_nothing_and_the_first_training_batch_is_used():

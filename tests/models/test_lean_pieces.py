@@ -56,9 +56,9 @@ def test_the_sapiens_head_is_cut_where_its_memory_needs_it(features, rows):
     # first two deconvs' recomputations hold less than that more, the third's twice its own floor (2 chunks)
     assert chunks == [1, 1, 2]
     assert shape[2] == rows
-    # a tile holds 4 maps of 768 channels again: 1/11 of that is 4/11 ≤ 3/8 of the chain's floor
-    assert head.refine.tile_count(shape) == 11
-    assert head.refine.tile_count((2, 768, *shape[2:]), itemsize=2) == 11  # the batch and the dtype scale both alike
+    # a tile holds 5 maps of 768 channels again: 1/14 of that is 5/14 ≤ 3/8 of the chain's floor
+    assert head.refine.tile_count(shape) == 14
+    assert head.refine.tile_count((2, 768, *shape[2:]), itemsize=2) == 14  # the batch and the dtype scale both alike
 
 
 def test_the_head_gives_each_block_the_headroom_of_the_largest_floor():
@@ -71,10 +71,10 @@ def test_the_head_gives_each_block_the_headroom_of_the_largest_floor():
 
 
 def test_a_chain_with_a_wide_stage_is_cut_by_its_widest_stage():
-    chain = _chain(16, 64, 16)  # a tile holds 4 maps of 64 channels; the floor is 16 + 16 + 64 channels
+    chain = _chain(16, 64, 16)  # a tile holds 5 maps of 64 channels; the floor is 16 + 16 + 64 channels
     held, floor = tile_memory(list(chain), (1, 16, 40, 8))
     assert (held, floor) == (TILE_TENSORS * 64 * 320 * 4, 96 * 320 * 4)
-    assert chain.tile_count((1, 16, 40, 8)) == 22  # 256 / 22 ≤ 96 / 8 < 256 / 21
+    assert chain.tile_count((1, 16, 40, 8)) == 27  # 320 / 27 ≤ 96 / 8 < 320 / 26
     assert chain.tile_count((1, 16, 10, 8)) == 10  # never more than the rows
 
 
@@ -129,7 +129,7 @@ def test_the_planner_is_told_the_pieces_actually_used():
     assert head.upsample[0].lean_recompute() == LeanRecompute(held_fraction=1.0, forwards=1.0)
     assert head.upsample[2].lean_recompute() == LeanRecompute(held_fraction=0.5, forwards=1.0)
     # three stages: the forward, then in backward once for the output gradient and 1 + 2 + 3 stages: 3 forwards
-    assert head.refine.lean_recompute() == LeanRecompute(held_fraction=1 / 11, forwards=3.0)
+    assert head.refine.lean_recompute() == LeanRecompute(held_fraction=1 / 14, forwards=3.0)
     head.refine.tiles = 16
     assert head.refine.lean_recompute() == LeanRecompute(held_fraction=1 / 16, forwards=3.0)
     head.refine.tiles = 1  # one tile: plain checkpointing
@@ -167,12 +167,12 @@ def test_the_head_at_its_chosen_counts_is_as_exact_as_the_plain_head():
         stage.chunk_count(s)
         for stage, s in zip(head.upsample, [(2, 16, 4, 3), (2, 8, 8, 6), (2, 8, 16, 12)], strict=True)
     ]
-    assert counts == [1, 1, 2] and head.refine.tile_count((2, 8, 32, 24)) == 11
+    assert counts == [1, 1, 2] and head.refine.tile_count((2, 8, 32, 24)) == 14
     grad = torch.randn(2, 3, 32, 24)
     plain = _step(head, x, grad, head)
     exact = _step(head.double(), x.double(), grad.double(), head)
     head.float()
-    apply_activation_checkpointing(head, "auto")
+    apply_activation_checkpointing(head, "lean")
     lean = _step(head, x, grad, head)
     names = ["output", "input", *(name for name, _ in head.named_parameters())]
     for name, a, b, e in zip(names, plain, lean, exact, strict=True):

@@ -10,19 +10,21 @@ chain) because chunks and tiles change the order of summation:
   and oneDNN picks its conv kernels by channel count, so the outputs and weight gradients of a
   chunk are bitwise on this CPU only for some channel counts (multiples of 8 here), never promised;
 * within rounding: the tiled chain (statistics merged over tiles, instance norm's gradient in closed
-  form, gradients summed over tiles), for every output and gradient, in one tile too.
+  form, gradients summed over tiles), for every output and gradient, in one tile too; its 1×1 convs
+  run as convolutions (TF32-eligible on CUDA), as many as its module doc counts.
 
-How many chunks and tiles memory needs: tests/models/test_lean_pieces.py.
+How many chunks and tiles memory needs: tests/models/test_lean_pieces.py; plain or lean: test_lean_choice.py.
 """
 
+import collections
 import copy
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memopt.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
-from lightning_memopt.checkpointing.wrap import CheckpointedForward
 from lightning_memopt.memory import profile_step
 from lightning_memopt.models import create_model
 from lightning_memopt.models.lean_recompute import can_chunk
@@ -132,6 +134,38 @@ def test_the_tiled_function_in_one_or_two_tiles_matches_within_rounding(tiles):
     _assert_close(_names(chain), plain, lean, **CHAIN_TOLERANCE)
 
 
+class _Ops(TorchDispatchMode):
+    """The aten ops run, by name, with the shapes of their outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = collections.defaultdict(list)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes[func.overloadpacket.__name__].append(tuple(out.shape) if isinstance(out, torch.Tensor) else None)
+        return out
+
+
+def test_the_tiled_chain_runs_its_1x1_convs_as_convolutions_not_matrix_products():
+    chain = _chain((6, 8, 4, 8), tiles=3)  # the output as workspace: one pass a stage in the forward
+    x = torch.randn(2, 6, 7, 5, requires_grad=True)
+    with _Ops() as forward:
+        output = tiled_conv_norm_act_chain(list(chain), x, 3)
+    with _Ops() as backward:
+        output.backward(torch.randn_like(output))
+    stages, tiles = 3, 3
+    assert len(forward.shapes["convolution"]) == stages * tiles
+    # backward: all stages for the output gradient, then stages 1…k for stage k: K + K(K + 1) / 2 a tile; each
+    # stage's input and weight gradient, one convolution gradient each a tile
+    assert len(backward.shapes["convolution"]) == (stages + stages * (stages + 1) // 2) * tiles
+    assert len(backward.shapes["convolution_backward"]) == 2 * stages * tiles
+    ops = {*forward.shapes, *backward.shapes}
+    assert not ops & {"mm", "addmm", "baddbmm", "matmul"}
+    # the only batched products left are instance norm's gradient sums, one number per sample and channel
+    assert all(shape[-2:] == (1, 1) for shape in backward.shapes["bmm"])
+
+
 def test_the_statistics_are_as_accurate_as_instance_norms_far_from_zero():
     chain = _chain(tiles=4)
     with torch.no_grad():
@@ -229,12 +263,12 @@ def test_the_chain_refuses_gradients_of_gradients():
         grad_x.sum().backward()
 
 
-def test_sapiens_checkpointed_with_auto_gives_the_gradients_of_the_plain_model():
+def test_sapiens_checkpointed_leanly_gives_the_gradients_of_the_plain_model():
     def gradients(checkpointed):
         torch.manual_seed(0)
         model = create_model("sapiens_tiny").train()
         if checkpointed:
-            assert apply_activation_checkpointing(model, "auto") == 6  # 2 ViT blocks, 3 deconv stages, the chain
+            assert apply_activation_checkpointing(model, "lean") == 6  # 2 ViT blocks, 3 deconv stages, the chain
         torch.manual_seed(1)  # the head's Dropout2d draws from here
         model(torch.randn(2, 3, 64, 48)).square().mean().backward()
         return {name: p.grad for name, p in model.named_parameters()}
@@ -245,10 +279,8 @@ def test_sapiens_checkpointed_with_auto_gives_the_gradients_of_the_plain_model()
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _head_activation_peak(policy, lean, monkeypatch):
+def _head_activation_peak(policy):
     """The activation peak of one fake-mode step of a 64-channel head on a 16 × 12 map (output 128 × 96)."""
-    if not lean:
-        monkeypatch.setattr(CheckpointedForward, "_lean_forward", lambda self: None)
 
     def prepare(head):
         for parameter in head.parameters():
@@ -264,16 +296,15 @@ def _head_activation_peak(policy, lean, monkeypatch):
         steps=1,
         prepare_model=prepare,
     )
-    monkeypatch.undo()
     static = sum(profile.breakdown[key] for key in ("parameters", "gradients", "inputs", "optimizer_state"))
     return profile.peak_bytes - static, profile
 
 
-def test_the_lean_recomputation_lowers_the_heads_activation_peak(monkeypatch):
+def test_the_lean_recomputation_lowers_the_heads_activation_peak():
     full_size = 64 * 128 * 96 * 4  # one full-resolution tensor of the head: 3 MiB
-    # before: every stage checkpointed on its own by torch.utils.checkpoint
-    before, _ = _head_activation_peak(["upsample.*", "refine.*"], False, monkeypatch)
-    after, profile = _head_activation_peak("auto", True, monkeypatch)
+    # before: every stage checkpointed on its own, plainly
+    before, _ = _head_activation_peak(["upsample.*", "refine.*"])
+    after, profile = _head_activation_peak("lean")
     assert profile.peak_phase == "backward"
     # live at the peak: the chain's input, its output gradient, its input gradient, and tiles
     assert after < 4 * full_size and after < 0.55 * before  # 3.7 and 7.3 full-size tensors

@@ -8,12 +8,11 @@ import random
 import pytest
 import torch
 
-from lightning_memopt.checkpointing import apply_activation_checkpointing
-from lightning_memopt.memory import profile_step
 from lightning_memopt.models import create_model
 from lightning_memopt.planner import gpu
 from lightning_memopt.planner.checkpoint_budget import budget_bytes, plan_checkpointing
 from lightning_memopt.planner.frontier import ActivationPeaks, BlockOption, Frontier
+from tests.helpers import fake_activation_peak
 
 
 def _random_options(seed: int, blocks: int = 5) -> dict[str, tuple[BlockOption, ...]]:
@@ -125,22 +124,8 @@ def test_a_planned_choice_applied_meets_its_budget_measured(budget):
     choice = plan_checkpointing(build, batch, budget, loss_fn=_loss, hardware=gpu("a100_80gb"))
     assert choice.fits and choice.modes
 
-    def activation_peak(policy):
-        def prepare(model):
-            for parameter in model.parameters():
-                parameter.grad = torch.zeros_like(parameter)
-            if policy:
-                apply_activation_checkpointing(model, policy)
-
-        profile = profile_step(
-            build, batch, loss_fn=_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), mode="fake", steps=1,
-            prepare_model=prepare,
-        )  # fmt: skip
-        return profile.peak_bytes - sum(
-            profile.breakdown[k] for k in ("parameters", "gradients", "inputs", "optimizer_state")
-        )
-
-    unchecked, checked = activation_peak(None), activation_peak(choice.policy())
+    unchecked = fake_activation_peak(build, batch, _loss)
+    checked = fake_activation_peak(build, batch, _loss, choice.policy())
     assert checked < unchecked
     # measured, the whole activation peak (temporaries too) within the budget of the unchecked one, give or take 5 %
     assert checked <= budget * unchecked * 1.05, (checked / unchecked, choice.describe())

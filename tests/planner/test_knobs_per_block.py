@@ -10,13 +10,18 @@ from lightning_memopt.models import create_model
 from lightning_memopt.planner import Knobs
 from lightning_memopt.planner.command import train_command
 
-PAIRS = (("backbone.blocks.0", "full"), ("head.upsample.1", "selective"), ("head.refine", "offload"))
+PAIRS = (
+    ("backbone.blocks.0", "full"),
+    ("head.upsample.1", "selective"),
+    ("head.upsample.2", "lean"),
+    ("head.refine", "offload"),
+)
 
 
 def test_per_block_knobs_describe_apply_and_round_trip_as_hydra_lists():
     knobs = Knobs("bf16-mixed", checkpoint="per_block", checkpoint_blocks=[list(pair) for pair in PAIRS])
     assert knobs.checkpoint_blocks == PAIRS  # lists (as Hydra gives them) become pairs: equal knobs compare equal
-    assert knobs.describe() == "bf16-mixed, per block: full ×1, selective ×1, offload ×1"
+    assert knobs.describe() == "bf16-mixed, per block: full ×1, selective ×1, lean ×1, offload ×1"
     assert Knobs.from_mapping(knobs.as_dict()) == knobs
     model = create_model("sapiens_tiny")
     report = checkpoint_modules(model, knobs.checkpoint_policy())
@@ -33,16 +38,18 @@ def test_one_mode_on_every_block_is_that_mode():
     assert Knobs().with_block_modes({"a": "offload", "b": "offload"}, blocks) == Knobs(checkpoint="offload")
     assert Knobs().with_block_modes({}, blocks) == Knobs()
     assert Knobs().with_block_modes({"a": "full"}, blocks).checkpoint == "per_block"
+    # "lean" is a block's mode, never the checkpoint knob's
+    assert Knobs().with_block_modes({"a": "lean", "b": "lean"}, blocks).checkpoint == "per_block"
 
 
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
         ({"checkpoint": "per_block"}, r"`checkpoint_blocks` \(0 given\) go with `checkpoint`='per_block'"),
-        ({"checkpoint": "full", "checkpoint_blocks": PAIRS}, r"\(3 given\) go with .* \(got `checkpoint`='full'\)"),
+        ({"checkpoint": "full", "checkpoint_blocks": PAIRS}, r"\(4 given\) go with .* \(got `checkpoint`='full'\)"),
         (
             {"checkpoint": "per_block", "checkpoint_blocks": [("a", "half")]},
-            r"unknown mode 'half'; valid choices: full",
+            r"unknown mode 'half'; valid choices: full, selective, offload, lean",
         ),
         ({"checkpoint": "per_block", "checkpoint_blocks": [("a",)]}, r"entry \('a',\) must be a \(module name, mode\)"),
         ({"checkpoint": "per_block", "checkpoint_blocks": "a=full"}, r"`checkpoint_blocks`='a=full' must be"),
