@@ -11,10 +11,14 @@ them). Within a step:
   sizes, strides and offset, so kernels take the same path (see
   :mod:`~lightning_memopt.checkpointing.offload_step`). Parameters and their views, empty tensors
   and tensors that are not plain strided ones (sparse, subclasses, lazy conjugates) stay in place.
-- on CUDA the copies run on a side stream with pinned buffers reused across steps, and the first
-  unpack of a group in the backward pass starts bringing back that group (if not yet on its way)
-  and the one packed before it, so the next block's tensors cross the link while this block's
-  backward computes: a block's backward holds its own offloaded tensors and the next one's (see
+- on CUDA the copies run on two side streams, one to the host and one back (the link carries both
+  directions at once), with pinned buffers reused across steps, and the first unpack of a group in
+  the backward pass starts bringing back that group (if not yet on its way) and the one packed
+  before it, so the next block's tensors cross the link while this block's backward computes: a
+  block's backward holds its own offloaded tensors and the next one's. The last group packed comes
+  back while nothing else runs (its backward comes first): on a GPU the planner offloads the blocks
+  whose copies the step's compute hides and keeps the last ones on the device, unless nothing else
+  fits (see :mod:`~lightning_memopt.planner.offload_price`,
   :mod:`~lightning_memopt.checkpointing.offload_schedule` and
   :mod:`~lightning_memopt.checkpointing.offload_copies`). Nothing synchronizes the host. The pinned
   buffers stay for the next step, never more bytes than the most a step had in use at once;
@@ -89,11 +93,15 @@ def _stays(tensor: torch.Tensor, min_bytes: int) -> bool:
     return tensor.device.type != "cpu" and tensor.untyped_storage().nbytes() < min_bytes
 
 
+def _transport(tensor: torch.Tensor) -> Any:
+    """How ``tensor`` crosses the link: on CUDA streams, else at once."""
+    return _STREAM_COPIES if tensor.is_cuda and not is_fake(tensor) else _IMMEDIATE_COPIES
+
+
 def _pack(group: OffloadGroup, min_bytes: int, tensor: torch.Tensor) -> torch.Tensor | _Packed:
     if _stays(tensor, min_bytes):
         return tensor
-    transport = _STREAM_COPIES if tensor.is_cuda and not is_fake(tensor) else _IMMEDIATE_COPIES
-    copy = group.step.host_copy(tensor, transport)
+    copy = group.step.host_copy(tensor, _transport(tensor))
     group.hold(copy)
     return _Packed(copy, group, tensor)
 
@@ -152,8 +160,8 @@ def offload_to_host(min_bytes: int = MIN_OFFLOAD_BYTES) -> Any:
     """A context in which tensors saved for backward are copied to (pinned) host memory.
 
     Parameters stay where they are, and so do accelerator tensors whose storage holds fewer than
-    ``min_bytes``. On CUDA the copies overlap compute on a side stream and come back one block
-    ahead of the backward pass (see the module's docstring). On a CPU-only machine the copy saves
+    ``min_bytes``. On CUDA the copies overlap compute on a side stream each way and come back one
+    block ahead of the backward pass (see the module's docstring). On a CPU-only machine the copy saves
     nothing; a :class:`~lightning_memopt.memory.MemoryTracker` counts the copies as host memory,
     so a CPU run shows what offloading saves on a device.
 

@@ -1,14 +1,17 @@
-"""How offloaded activations cross the host link: on CUDA a side stream, events and pinned buffers reused.
+"""How offloaded activations cross the host link: on CUDA a stream each way, events and pinned buffers reused.
 
 :class:`ImmediateCopies` copies at once into plain host memory: the CPU (where offloading is the
 accounting of what a device would move), fake tensors, devices without a stream path.
 
 :class:`StreamCopies` copies a saved activation to pinned host memory on a side stream of its
-device, ordered after the compute stream by an event and never on the hot path's host: no
-synchronize. The device tensor is ``record_stream``-ed on the side stream, so the caching allocator
-reuses its memory only once the copy has read it. Coming back, the device memory is allocated on
-the compute stream, the side stream waits for the compute stream to reach that point, copies, and
-records the event that the compute stream waits on before the tensor is used.
+device (*out*), ordered after the compute stream, and never on the hot path's host: no
+synchronize. The device tensor is ``record_stream``-ed on that stream, so the caching allocator
+reuses its memory only once the copy has read it. Coming back runs on another side stream
+(*back*: the link carries both directions at once, and a prefetch never queues behind copies
+out): the device memory is allocated on the compute stream, the back stream waits for the compute
+stream to reach that point and for the copy's way out (its event), copies, and records the event
+that the compute stream waits on before the tensor is used. Streams and the ``record_stream`` call
+come from a :class:`CudaStreams` (a recorded fake in the tests, which run on the CPU).
 
 :class:`PinnedBufferPool` keeps the pinned buffers (``cudaHostAlloc`` is slow) for the next step,
 by byte size. A buffer returns to it when the last saved tensor using it is released, with the
@@ -127,64 +130,99 @@ class ImmediateCopies:
         """Nothing to wait for: the copies were made at once (and took no pooled buffer to release)."""
 
 
+class CudaStreams:
+    """Where :class:`StreamCopies` gets its streams: CUDA's.
+
+    A stand-in gives the same four calls, and streams with ``wait_stream``, ``wait_event`` and
+    ``record_event`` (as ``torch.cuda.Stream`` has them).
+
+    Example::
+
+        >>> streams = CudaStreams()
+        >>> callable(streams.new) and callable(streams.current)
+        True
+    """
+
+    def new(self, device: torch.device) -> Any:
+        """A new stream on ``device``."""
+        return torch.cuda.Stream(device=device)
+
+    def current(self, device: torch.device) -> Any:
+        """The stream ``device`` computes on now."""
+        return torch.cuda.current_stream(device)
+
+    def using(self, stream: Any) -> Any:
+        """A context in which kernels are queued on ``stream``."""
+        return torch.cuda.stream(stream)
+
+    def keep_for(self, tensor: torch.Tensor, stream: Any) -> None:
+        """``tensor``'s memory is reused only once what ``stream`` has queued so far is done."""
+        tensor.record_stream(stream)
+
+
 class StreamCopies:
-    """Copies of saved activations between a CUDA device and pinned host memory, on a side stream per device.
+    """Copies of saved activations between a CUDA device and pinned host memory, on two side streams per device:
+    one to the host (out), one back.
 
     Args:
         allocate_host: makes a host tensor ``(shape, dtype, pinned)``, counted as host memory.
         pooled: whether a new copy may take its buffer from :attr:`pool` (not while a
             :class:`~lightning_memopt.memory.MemoryTracker` counts: it must see each allocation).
+        streams: where the streams come from (default CUDA's, :class:`CudaStreams`).
     """
 
     def __init__(
         self,
         allocate_host: Callable[[Sequence[int], torch.dtype, bool], torch.Tensor],
         pooled: Callable[[], bool] = lambda: not tracking(),
+        streams: CudaStreams | None = None,
     ) -> None:
         self._allocate_host = allocate_host
         self._pooled = pooled
+        self.streams = streams if streams is not None else CudaStreams()
         self.pool = PinnedBufferPool(lambda nbytes: allocate_host((nbytes,), torch.uint8, True))
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._side: dict[torch.device, tuple[Any, Any]] = {}
 
-    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The stream this device's offload copies run on (made on first use)."""
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
-        return stream
+    def side_streams(self, device: torch.device) -> tuple[Any, Any]:
+        """The streams this device's copies to the host and back run on, in that order (made on first use)."""
+        side = self._side.get(device)
+        if side is None:
+            side = self._side[device] = (self.streams.new(device), self.streams.new(device))
+        return side
 
     def to_host(self, copy: Any, source: torch.Tensor) -> None:
         """Start copying ``source`` to the host; sets ``copy.host``, ``copy.buffer`` and ``copy.event``."""
-        side = self.side_stream(source.device)
+        out, _ = self.side_streams(source.device)
         nbytes = source.numel() * source.element_size()
-        buffer = self.pool.take(nbytes, side) if self._pooled() else None
+        buffer = self.pool.take(nbytes, out) if self._pooled() else None
         if buffer is None:
             host = self._allocate_host(source.shape, source.dtype, True)
         else:
             host = buffer[:nbytes].view(source.dtype).view(source.shape)
-        side.wait_stream(torch.cuda.current_stream(source.device))  # source has been computed
-        with torch.cuda.stream(side):
+        out.wait_stream(self.streams.current(source.device))  # source has been computed
+        with self.streams.using(out):
             host.copy_(source, non_blocking=True)
-        source.record_stream(side)  # its memory is not reused before the copy has read it
-        copy.host, copy.buffer, copy.event = host, buffer, side.record_event()
+        self.streams.keep_for(source, out)  # its memory is not reused before the copy has read it
+        copy.host, copy.buffer, copy.event = host, buffer, out.record_event()
 
     def to_device(self, copies: Sequence[Any]) -> None:
         """Start bringing ``copies`` (of one device) back; sets each ``copy.image`` and ``copy.event``."""
         device = copies[0].device
-        side = self.side_stream(device)
+        _, back = self.side_streams(device)
         images = [torch.empty(copy.host.shape, dtype=copy.host.dtype, device=device) for copy in copies]
-        side.wait_stream(torch.cuda.current_stream(device))  # the memory's last use on the compute stream is done
-        with torch.cuda.stream(side):
+        back.wait_stream(self.streams.current(device))  # the memory's last use on the compute stream is done
+        with self.streams.using(back):
             for copy, image in zip(copies, images, strict=True):
+                back.wait_event(copy.event)  # its way out is over
                 image.copy_(copy.host, non_blocking=True)
                 # an event each: the backward waits for its own tensor, not for the group prefetched behind it
-                copy.image, copy.event = image, side.record_event()
+                copy.image, copy.event = image, back.record_event()
         for image in images:
-            image.record_stream(side)  # freed unused (a backward cut short), it waits for the copy
+            self.streams.keep_for(image, back)  # freed unused (a backward cut short), it waits for the copy
 
     def wait(self, copy: Any) -> None:
         """Order the compute stream after ``copy``'s way back."""
-        torch.cuda.current_stream(copy.device).wait_event(copy.event)
+        self.streams.current(copy.device).wait_event(copy.event)
 
     def release(self, buffer: torch.Tensor, event: Any) -> None:
         """``buffer`` is no longer used by a saved tensor: back to the pool, behind ``event``."""

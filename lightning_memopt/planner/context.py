@@ -118,6 +118,7 @@ class SearchContext:
             offloaded_bytes=estimate.offloaded_bytes,
             traffic=traffic,
             regions=estimate.regions,
+            copies=estimate.copies,
         )
         found = Candidate(knobs, estimate, cost, estimate.peak_bytes <= self.limit, how)
         self.candidates.append(found)

@@ -19,6 +19,7 @@ from lightning_memopt.checkpointing import SAVED_OP_NAMES, LeanRecompute
 from lightning_memopt.memory.profile import MemoryProfile
 from lightning_memopt.memory.tracker import CATEGORIES, PARAMETER_CAST
 from lightning_memopt.memory.work import Work
+from lightning_memopt.planner.offload_price import OffloadedBlock, offloaded_blocks
 from lightning_memopt.vocabulary import LEAN
 
 STEP_PHASES = ("forward", "backward")
@@ -48,6 +49,8 @@ class StepEstimate:
     regions: dict[str, tuple[int, float]] = field(default_factory=dict)
     parameter_casts: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
+    # where blocks offload: every block in forward order, its work and what it offloads (the copy schedule's input)
+    copies: tuple[OffloadedBlock, ...] = ()
 
     @property
     def peak_phase(self) -> str:
@@ -139,7 +142,31 @@ def checkpointed(
         checkpointed_regions(anchor, modes),
         parameter_casts=casts,
         host={"activations": int(offloaded)} if offloaded else {},
+        copies=copy_schedule(anchor, modes, lean),
     )
+
+
+def copy_schedule(
+    anchor: MemoryProfile, modes: Mapping[str, str], lean: Mapping[str, LeanRecompute] | None = None
+) -> tuple[OffloadedBlock, ...]:
+    """The anchor's blocks in forward order with what checkpointing them in ``modes`` offloads and recomputes, for
+    the copy schedule (:mod:`~lightning_memopt.planner.offload_price`); empty when ``modes`` offloads nothing.
+
+    Example::
+
+        >>> copy_schedule(None, {"blocks.0": "full"})   # nothing offloaded: no copies to schedule
+        ()
+    """
+    if "offload" not in modes.values():
+        return ()
+    lean = lean or {}
+    freed = freed_bytes(anchor, modes)
+    forwards = {name: anchor.work(("forward",), (name,)) for name in anchor.blocks}
+    forward, backward = anchor.work(("forward",)), anchor.work(("backward",))
+    ratio = backward.flops / forward.flops if forward.flops else backward.kernels / max(forward.kernels, 1.0)
+    again = {name: recomputed_work(forwards[name], mode, lean.get(name)) for name, mode in modes.items()}
+    offloaded = {name: freed[name] for name, mode in modes.items() if mode == "offload"}
+    return offloaded_blocks(forwards, ratio, offloaded, again)
 
 
 def checkpointed_regions(anchor: MemoryProfile, modes: Mapping[str, str]) -> dict[str, tuple[int, float]]:

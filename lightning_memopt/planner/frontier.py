@@ -11,6 +11,9 @@ counted in steps of 1/:data:`RESOLUTION` of what all blocks can free at most, ro
 freed, so a set found always meets its target. PyTorch's min-cut partitioner solves the same kind
 of knapsack over the ops of a compiled graph (``activation_memory_budget``); this one acts on eager
 models, at the granularity of their blocks.
+
+Over 300 lines because the options' prices and the knapsack over them are one idea: what an option
+carries (bytes freed, held again, an offloaded output, a last resort) is what the knapsack weighs.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 from lightning_memopt.checkpointing.lean import LeanRecompute
 from lightning_memopt.memory.profile import MemoryProfile
 from lightning_memopt.memory.work import Work
-from lightning_memopt.planner.cost import step_cost
+from lightning_memopt.planner.cost import step_cost, unhidden_offloads
 from lightning_memopt.planner.estimate import STEP_MOMENTS, StepEstimate, freed_bytes, held_bytes, recomputed_work
 from lightning_memopt.planner.hardware import Hardware
 from lightning_memopt.vocabulary import CHECKPOINT_MODES, LEAN, NO_CHECKPOINT
@@ -36,14 +39,16 @@ LARGEST_BOUNDS = 48  # at most this many bounds on the largest block freed are t
 @dataclass(frozen=True)
 class BlockOption:
     """One way to treat a block: its mode (``"none"`` keeps it), the bytes it frees until its backward, the seconds
-    it adds, the bytes its backward holds again at once (default: those it freed) and, offloaded, its output's
-    bytes, which leave the device too when the next block is offloaded (or none follows)."""
+    it adds, the bytes its backward holds again at once (default: those it freed), offloaded, its output's bytes,
+    which leave the device too when the next block is offloaded (or none follows), and whether it is a last
+    resort, taken only where no other choices reach a target (offload whose copies the link does not hide)."""
 
     mode: str
     freed_bytes: int
     seconds: float
     held_bytes: int | None = None
     output_bytes: int = 0
+    last_resort: bool = False
 
     @property
     def held(self) -> int:
@@ -102,10 +107,13 @@ def block_options(
     """Every block of ``blocks`` the anchor saw called, with each way to treat it (keeping it first).
 
     A mode that frees nothing is left out: offload where the host is the device (``hardware.host_is_device``:
-    this CPU), whose host copies stay in the same memory. An offloaded block's output is counted apart: it leaves the
-    device only when the next block is offloaded too. ``lean``: the blocks with a lean recomputation
-    of their own, priced by what they declare: each gets a ``"lean"`` option beside plain ``"full"``
-    (unless it is the plain one: in one piece, one forward).
+    this CPU), whose host copies stay in the same memory. On a GPU (``device_type`` ``"cuda"``) an offloaded
+    block costs its host work and what of its copies the block after it cannot hide
+    (:func:`~lightning_memopt.planner.cost.unhidden_offloads`; all of them for the last block), and is a last
+    resort where that is anything. An offloaded block's output is counted apart: it leaves the device only when
+    the next block is offloaded too. ``lean``: the blocks with a lean recomputation of their own, priced by
+    what they declare: each gets a ``"lean"`` option beside plain ``"full"`` (unless it is the plain one: in
+    one piece, one forward).
 
     Example::
 
@@ -121,6 +129,7 @@ def block_options(
         ['none', 'full', 'selective', 'offload']
     """
     lean = lean or {}
+    unhidden = unhidden_offloads(anchor, blocks, hardware) if hardware.device_type == "cuda" else None
     options = {}
     for name in blocks:
         account = anchor.blocks.get(name)
@@ -140,12 +149,13 @@ def block_options(
                 Work(),
                 hardware,
                 micro_batches,
-                offloaded_bytes=freed if mode == "offload" else 0.0,
+                offloaded_bytes=freed if mode == "offload" and unhidden is None else 0.0,
                 regions={mode: (account.calls, forward.ops)},
             )
+            waits = unhidden[name] * micro_batches if mode == "offload" and unhidden is not None else 0.0
             output = account.output_bytes if mode == "offload" else 0
             held = held_bytes(anchor, name, freed + output, mode, lean.get(name))
-            found.append(BlockOption(mode, freed, cost.total, held, output))
+            found.append(BlockOption(mode, freed, cost.total + waits, held, output, last_resort=waits > 0))
         options[name] = tuple(found)
     return options
 
@@ -156,6 +166,7 @@ class Frontier:
 
     Blocks are taken in the order of ``options``: an offloaded block's output leaves the device when
     the next block is offloaded too (the knapsack carries whether the block before was offloaded).
+    Options of last resort are taken only for a target that the others cannot reach.
 
     Example::
 
@@ -172,7 +183,7 @@ class Frontier:
 
     options: Mapping[str, Sequence[BlockOption]]
     peaks: ActivationPeaks
-    _tables: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False)
+    _tables: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         most = sum(max(o.freed_bytes + o.output_bytes for o in choices) for choices in self.options.values())
@@ -206,19 +217,23 @@ class Frontier:
         """The fastest choices whose activation peak is at most ``target`` bytes (``None``: no choice reaches it)."""
         if self.peaks.unchecked <= target:
             return {}
-        best: tuple[float, int, int] | None = None  # (seconds, bound, units needed)
-        for bound in self.largest_bounds:
-            needed = self._units_needed(target, bound)
-            table = self._table(bound)
-            if needed < len(table) and np.isfinite(table[needed]) and (best is None or table[needed] < best[0]):
-                best = (float(table[needed]), bound, needed)
-        return None if best is None else self._choices(best[1], best[2])
+        resorts = any(o.last_resort for choices in self.options.values() for o in choices)
+        for resort in (False, True) if resorts else (True,):
+            best: tuple[float, int, int] | None = None  # (seconds, bound, units needed)
+            for bound in self.largest_bounds:
+                needed = self._units_needed(target, bound)
+                table = self._table(bound, resort)
+                if needed < len(table) and np.isfinite(table[needed]) and (best is None or table[needed] < best[0]):
+                    best = (float(table[needed]), bound, needed)
+            if best is not None:
+                return self._choices(best[1], best[2], resort)
+        return None
 
     def least_bytes(self) -> int:
         """The least activation peak any choice reaches (bytes freed counted as the knapsack counts them)."""
         least = self.peaks.unchecked
         for bound in self.largest_bounds:
-            reached = np.flatnonzero(np.isfinite(self._table(bound)))
+            reached = np.flatnonzero(np.isfinite(self._table(bound, True)))
             if len(reached):
                 least = min(least, self.peaks.after(int(reached[-1]) * self.unit, bound))
         return least
@@ -253,22 +268,23 @@ class Frontier:
         needed = max(self.peaks.forward - target, self.peaks.backward - target + bound, 0)
         return math.ceil(needed / self.unit)
 
-    def _table(self, bound: int) -> np.ndarray:
-        """For every number of units, the least seconds that free at least that many (no block over ``bound``)."""
-        if bound not in self._tables:
-            seconds = self._solve(bound)[0].min(axis=0)
-            self._tables[bound] = np.minimum.accumulate(seconds[::-1])[::-1]
-        return self._tables[bound]
+    def _table(self, bound: int, resort: bool) -> np.ndarray:
+        """For every number of units, the least seconds that free at least that many (no block over ``bound``;
+        options of last resort only with ``resort``)."""
+        if (bound, resort) not in self._tables:
+            seconds = self._solve(bound, resort)[0].min(axis=0)
+            self._tables[bound, resort] = np.minimum.accumulate(seconds[::-1])[::-1]
+        return self._tables[bound, resort]
 
-    def _choices(self, bound: int, needed: int) -> dict[str, str]:
-        seconds, steps, into_last = self._solve(bound)
+    def _choices(self, bound: int, needed: int, resort: bool) -> dict[str, str]:
+        seconds, steps, into_last = self._solve(bound, resort)
         state = needed + int(np.argmin(seconds.min(axis=0)[needed:]))
         offloaded = int(np.argmin(seconds[:, state]))
         if offloaded:  # undo the last block's output
             state = int(into_last[state])
         chosen = {}
         for (name, choices), (picked, before, was_offloaded) in zip(
-            reversed(self._allowed(bound)), reversed(steps), strict=True
+            reversed(self._allowed(bound, resort)), reversed(steps), strict=True
         ):
             option = choices[picked[offloaded, state]]
             if option.mode != NO_CHECKPOINT:
@@ -276,10 +292,13 @@ class Frontier:
             state, offloaded = int(before[offloaded, state]), int(was_offloaded[offloaded, state])
         return dict(reversed(list(chosen.items())))
 
-    def _allowed(self, bound: int) -> list[tuple[str, list[BlockOption]]]:
-        return [(name, [o for o in choices if o.held <= bound]) for name, choices in self.options.items()]
+    def _allowed(self, bound: int, resort: bool) -> list[tuple[str, list[BlockOption]]]:
+        return [
+            (name, [o for o in choices if o.held <= bound and (resort or not o.last_resort)])
+            for name, choices in self.options.items()
+        ]
 
-    def _solve(self, bound: int) -> tuple[np.ndarray, list[tuple[np.ndarray, ...]], np.ndarray]:
+    def _solve(self, bound: int, resort: bool) -> tuple[np.ndarray, list[tuple[np.ndarray, ...]], np.ndarray]:
         """The least seconds to free exactly each number of units (the last: that many or more), by whether the
         last block is offloaded (its output then counted); per block the option picked, and the units and
         offload state before it; and, the last block offloaded, the units before its output."""
@@ -288,7 +307,7 @@ class Frontier:
         best[0, 0] = 0.0
         last_output = 0
         steps = []
-        for _, choices in self._allowed(bound):
+        for _, choices in self._allowed(bound, resort):
             merged = np.full((2, top + 1), np.inf)
             picked = np.zeros((2, top + 1), dtype=np.int16)
             before = np.zeros((2, top + 1), dtype=np.int64)

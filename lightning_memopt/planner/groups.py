@@ -137,7 +137,8 @@ def _confirm(search: SearchContext, knobs: Knobs, extra: int, estimates: list[Ca
     for candidate in replaced.values():
         search.candidates.remove(candidate)  # the profile replaces the estimate
     planned = next(iter(replaced.values())).estimate
-    profiled_estimate = replace(from_profile(search.profile(unsharded), extra), regions=planned.regions)
+    profiled = from_profile(search.profile(unsharded), extra)
+    profiled_estimate = replace(profiled, regions=planned.regions, copies=planned.copies)
     confirmed = search.candidates_of(unsharded, profiled_estimate, "profiled")
     for candidate in confirmed:
         candidate.estimated_bytes = replaced[candidate.knobs].peak_bytes

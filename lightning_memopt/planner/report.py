@@ -200,9 +200,15 @@ class Plan:
 
 
 def _cost_parts(candidate: Candidate) -> str:
-    """What sharding and offload add to a step: `` (communication 0.03 s, host link 1.0 s, host 0.5 s)``."""
+    """What sharding and offload add to a step: `` (communication 0.03 s, host link 1.0 s, host 0.5 s)``; with
+    activations offloaded, also the seconds the device waits for their copies (``copies waited for``)."""
     cost = candidate.cost
-    parts = [("communication", cost.communication), ("host link", cost.offload), ("host optimizer step", cost.host)]
+    parts = [
+        ("communication", cost.communication),
+        ("host link", cost.offload),
+        ("copies waited for", cost.offload_wait),
+        ("host optimizer step", cost.host),
+    ]
     shown = [f"{name} {seconds:.4f} s" for name, seconds in parts if seconds > 0]
     return f" ({', '.join(shown)})" if shown else ""
 

@@ -2,8 +2,9 @@
 
 Each policy's step is profiled in fake mode (its work, recomputation included, and the bytes it
 offloads); the blocks it wraps are priced for the host from a profile without checkpointing (their
-calls and forward ops); :func:`~lightning_memopt.planner.cost.step_cost` turns both into seconds
-on ``hardware``. Forward and backward of one batch, no optimizer step (what ``gpu_truth.py`` times).
+calls and forward ops), and so is the copy schedule of the blocks it offloads;
+:func:`~lightning_memopt.planner.cost.step_cost` turns all of it into seconds on ``hardware``.
+Forward and backward of one batch, no optimizer step (what ``gpu_truth.py`` times).
 
 Example::
 
@@ -29,22 +30,27 @@ from lightning_memopt.checkpointing import PolicySpec, checkpoint_modules
 from lightning_memopt.memory import profile_step
 from lightning_memopt.memory.work import Work
 from lightning_memopt.planner.cost import StepCost, step_cost
-from lightning_memopt.planner.estimate import checkpointed_regions
+from lightning_memopt.planner.estimate import checkpointed_regions, copy_schedule
 from lightning_memopt.planner.hardware import Hardware
+from lightning_memopt.planner.offload_price import OffloadedBlock
 
 
 @dataclass(frozen=True)
 class ProfiledStep:
     """One policy's step as a fake-mode profile counted it: its work (recomputation included), the bytes it
-    offloads, and by mode the calls and forward ops of the blocks it checkpoints; :meth:`cost` prices it."""
+    offloads, by mode the calls and forward ops of the blocks it checkpoints, and where it offloads, its blocks
+    for the copy schedule; :meth:`cost` prices it."""
 
     work: Work
     offloaded_bytes: float
     regions: dict[str, tuple[int, float]]
+    copies: tuple[OffloadedBlock, ...] = ()
 
     def cost(self, hardware: Hardware) -> StepCost:
         """Its seconds on ``hardware``."""
-        return step_cost(self.work, Work(), hardware, offloaded_bytes=self.offloaded_bytes, regions=self.regions)
+        return step_cost(
+            self.work, Work(), hardware, offloaded_bytes=self.offloaded_bytes, regions=self.regions, copies=self.copies
+        )
 
 
 def profiled_steps(
@@ -70,6 +76,7 @@ def profiled_steps(
             profile.work(("forward", "backward")),
             float(profile.offloaded_bytes),
             checkpointed_regions(anchor, wrapped[name]),
+            copy_schedule(anchor, wrapped[name]),
         )
     return steps
 

@@ -132,7 +132,7 @@ def test_a_misspelt_policy_name_is_named_with_the_policy_names():
         apply_activation_checkpointing(nn.Sequential(nn.Linear(2, 2)), "selectve")
     message = str(caught.value)
     assert "did you mean the policy 'selective'?" in message
-    assert message.endswith("policy names: auto, preset, selective, offload, every_n")
+    assert message.endswith("policy names: auto, preset, selective, offload, lean, every_n")
 
 
 @pytest.mark.parametrize("policy", ["auto", "preset", "selective", "every_n"])

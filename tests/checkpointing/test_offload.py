@@ -315,7 +315,7 @@ class CopyStreams(TorchDispatchMode):
 
 
 @pytest.mark.cuda
-def test_cuda_copies_run_on_a_side_stream_and_small_tensors_stay():
+def test_cuda_copies_run_on_a_side_stream_each_way_and_small_tensors_stay():
     x = torch.randn(1024, 1024, device="cuda", requires_grad=True)  # 4 MiB
     small = torch.randn(16, device="cuda", requires_grad=True)
     recorder = CopyStreams()
@@ -324,7 +324,7 @@ def test_cuda_copies_run_on_a_side_stream_and_small_tensors_stay():
             loss = x.sin().sum() + small.sin().sum()
         assert offload_stats().host_copies == 1  # the small one stays on the device
         loss.backward()
-    assert len(recorder.streams) == 2  # there and back
+    assert len(recorder.streams) == 2 and recorder.streams[0] != recorder.streams[1]  # there and back, a stream each
     assert all(stream != torch.cuda.default_stream() for stream in recorder.streams)
     assert torch.equal(x.grad, x.detach().cos()) and torch.equal(small.grad, small.detach().cos())
     with offload_to_host(min_bytes=0):
