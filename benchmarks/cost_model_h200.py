@@ -15,7 +15,8 @@ schedule).
 
 Each case is profiled in fake mode on the CPU (its work and wrapped blocks; about a minute).
 
-    python benchmarks/cost_model_h200.py
+    python benchmarks/cost_model_h200.py                   # measure and predict (about five minutes)
+    python benchmarks/cost_model_h200.py --forecast-only   # today's forecast beside the committed predictions
 """
 
 from __future__ import annotations
@@ -239,13 +240,45 @@ def summary(path: Path) -> str:
     )
 
 
+def with_forecasts(kept: list[dict], fresh: list[dict]) -> list[dict]:
+    """``kept``'s rows with the forecast columns of ``fresh`` (the same cases and variants): the predictions of the
+    measured implementation rest on this machine's Python speed, the forecast on the catalogue's alone.
+
+    Example::
+
+        >>> kept = [{"case": "c", "variant": "full", "predicted_ratio": "1.5", "forecast_ratio": "1.6"}]
+        >>> fresh = [{"case": "c", "variant": "full", "predicted_ratio": "1.9", "forecast_ratio": "1.3"}]
+        >>> with_forecasts(kept, fresh)
+        [{'case': 'c', 'variant': 'full', 'predicted_ratio': '1.5', 'forecast_ratio': '1.3'}]
+    """
+    forecasts = {(row["case"], row["variant"]): row for row in fresh}
+    return [
+        {
+            **row,
+            **{
+                key: value
+                for key, value in forecasts[row["case"], row["variant"]].items()
+                if key.startswith("forecast")
+            },
+        }
+        for row in kept
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_table_options(parser, __file__)
+    parser.add_argument(
+        "--forecast-only",
+        action="store_true",
+        help="recompute the forecast columns only (the catalogue's costs: no measurement), keeping the CSV's others",
+    )
     args = parser.parse_args(argv)
     if printed_table(args, table):
         return 0
     rows = measure()
+    if args.forecast_only:
+        rows = with_forecasts(read_rows(Path(args.csv)), rows)
     write_csv(args.csv, rows)
     print(summary(Path(args.csv)))
     return 0

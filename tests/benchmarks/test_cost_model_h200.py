@@ -83,3 +83,15 @@ def test_the_summary_names_the_ratios_off_and_each_cases_base(tmp_path):
     assert text.startswith("2 of the 3 predicted ratios are within 15% of the H200's")
     assert "the fastest mode is predicted in 1 of 1 cases; off by more: a full (-20%)." in text
     assert text.endswith("predicted -20% (a) off the measured one.")
+
+
+def _row(variant, predicted, forecast, bound):
+    return {"case": "c", "variant": variant, "predicted_ratio": predicted, "forecast_ratio": forecast,
+            "forecast_bound": bound}  # fmt: skip
+
+
+def test_forecast_only_keeps_the_predictions_and_takes_the_fresh_forecasts():
+    kept = [_row("full", "1.5", "1.6", "host"), _row("offload", "3.0", "2.0", "host")]
+    fresh = [_row("offload", "9.9", "2.5", "link"), _row("full", "9.9", "1.3", "device")]
+    assert cost_model.with_forecasts(kept, fresh) == [_row("full", "1.5", "1.3", "device"),
+                                                      _row("offload", "3.0", "2.5", "link")]  # fmt: skip
