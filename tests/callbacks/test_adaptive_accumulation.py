@@ -482,7 +482,9 @@ def test_fsdp_memopt_micro_batches_give_the_steps_of_whole_batches(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("fault", "failing"), [("backward_limit", 1), ("forward_limit", 0)])
+@pytest.mark.parametrize(
+    ("fault", "failing"), [("backward_limit", 1), pytest.param("forward_limit", 0, marks=pytest.mark.slow)]
+)
 def test_fsdp_memopt_an_oom_on_one_rank_stops_both_at_once(tmp_path, fault, failing):
     script = Path(__file__).with_name("adaptive_fsdp_oom_run.py")
     ranks = run_ranks(script, [fault, str(failing)], cwd=tmp_path, timeout=120)  # TimeoutExpired: a rank hung

@@ -147,7 +147,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     assert not (tmp_path / "last.ckpt").exists()
 
 
-@pytest.mark.parametrize("presses", [1, 2])
+@pytest.mark.parametrize("presses", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_memopt_train_on_ctrl_c_exits_130(tmp_path, presses):
     args = [
         "model=iresnet_tiny",

@@ -36,6 +36,7 @@ def test_train_starts_from_an_official_file_and_exports_back(compose_train, tmp_
     assert torch.allclose(exported["fc.weight"], official["fc.weight"], atol=0.5)
 
 
+@pytest.mark.slow
 def test_export_of_a_bare_state_dict_needs_the_preset(tmp_path):
     ours = create_model("iresnet_tiny").state_dict()
     official, family = export_official(ours, "iresnet_tiny")
@@ -50,8 +51,16 @@ def test_export_of_a_bare_state_dict_needs_the_preset(tmp_path):
     ("override", "message"),
     [
         ("model.pretrained=/nowhere/a.pth", "memopt-train: checkpoint file '/nowhere/a.pth' does not exist"),
-        ("model.pretrained_backbone=PATH", "memopt-train: `backbone_only`=True, but IResNet checkpoints come whole"),
-        ("model.optimizer=lamb", "memopt-train: Unknown `optimizer`='lamb'; valid choices: sgd, adamw"),
+        pytest.param(
+            "model.pretrained_backbone=PATH",
+            "memopt-train: `backbone_only`=True, but IResNet checkpoints come whole",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "model.optimizer=lamb",
+            "memopt-train: Unknown `optimizer`='lamb'; valid choices: sgd, adamw",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_memopt_train_ends_a_bad_pretrained_file_or_option_with_its_reason(tmp_path, override, message):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from lightning_memopt.cli.multirun_table import SUMMARY_FILE, format_table, read_job_summaries
 from tests.helpers import TINY_FACE, run_memopt_train
 
@@ -21,6 +23,7 @@ def test_the_table_reads_every_finished_job_in_order(tmp_path):
     assert lines[1].split() == ["2", "seed=2", "n/a", "n/a", "3.0", "1.0000"]
 
 
+@pytest.mark.slow
 def test_memopt_train_multirun_ends_with_the_table_of_its_jobs(tmp_path):
     done = run_memopt_train(["-m", *TINY_FACE, "seed=1,2", f"paths.log_dir={tmp_path}"], tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -41,6 +41,7 @@ def test_memopt_plan_names_bad_input(tmp_path, override, message):
     assert message in result.stderr
 
 
+@pytest.mark.slow
 def test_the_memory_grid_sweep_writes_one_csv_row_per_run(tmp_path):
     grid = [f"{_KNOB}precision=32-true", f"{_KNOB}checkpoint=none,full", f"{_KNOB}micro_batch_size=null"]
     result = run_memopt_train(

@@ -99,6 +99,7 @@ def test_multirun_over_batch_size_produces_two_runs(tmp_path):
     assert len(list(tmp_path.glob("logs/train/multiruns/*/*/csv/version_0/metrics.csv"))) == 2
 
 
+@pytest.mark.slow
 def test_sweep_config_runs_the_margin_comparison(tmp_path):
     result = run_memopt_train(["sweep=margins", *TINY_FACE], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pytest
 import torch
 from torch import nn
 
@@ -69,6 +70,7 @@ def test_the_planner_never_offloads_on_a_cpu_device():
 
 _RSS_STEP = """
 import json, os, sys, threading, time
+import pytest
 import torch
 from lightning_memopt.checkpointing import apply_activation_checkpointing
 from lightning_memopt.memory import profile_step
@@ -114,6 +116,7 @@ print(json.dumps({"measured": peak - before, "predicted": predicted.peak_bytes -
 """
 
 
+@pytest.mark.slow
 def test_an_offloaded_step_holds_what_the_prediction_says_in_the_process_memory(tmp_path):
     grown = {}
     for policy in ("none", "offload"):

@@ -63,7 +63,9 @@ def test_a_roomy_budget_gets_the_fastest_configuration_without_checkpointing():
     assert not cheaper
 
 
-@pytest.mark.parametrize("budget_mib", [8.0, 6.0, 5.5, 4.5])
+@pytest.mark.parametrize(
+    "budget_mib", [8.0, pytest.param(6.0, marks=pytest.mark.slow), pytest.param(5.5, marks=pytest.mark.slow), 4.5]
+)
 def test_a_tight_budget_gets_a_plan_whose_real_peak_fits_and_uses_most_of_it(budget_mib):
     result = _plan(budget_mib, cpu_offload=(False,))  # (an offloaded plan runs under fsdp_memopt: see tests/planner)
     assert result.chosen is not None, result.table()

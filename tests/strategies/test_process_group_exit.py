@@ -18,6 +18,7 @@ def _clean(rank: subprocess.CompletedProcess) -> bool:
     return rank.returncode == 0 and "terminate called" not in rank.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_powersgd_fits_leave_no_process_group_to_the_interpreters_exit(tmp_path):
     ranks = _launch(tmp_path, fits=2)
