@@ -49,6 +49,7 @@ POLICIES: dict[str, Any] = {
     "every_n=2": {"every_n": 2},
     "selective": "selective",
     "offload": "offload",
+    "lean": "lean",  # full, by the blocks' own memory-lean recomputation where they have one (Sapiens's head)
 }
 KNAPSACK_BUDGET = 0.5  # the knapsack at selective's target: half the activations
 FULL_TARGETS = {"r100": 3.0, "sapiens_0.3b": 5.0, "cotracker3": 2.5}  # full checkpointing's reduction, at most:
@@ -208,7 +209,7 @@ def table(path: Path) -> str:
     for row in read_rows(path):
         model = model_label(row).replace(" (", ", ").rstrip(")")
         policy = row["policy"]
-        bold = "**" if policy in ("full", "selective") or policy.startswith("budget") else ""
+        bold = "**" if policy in ("full", "lean", "selective") or policy.startswith("budget") else ""
         offloaded = float(row["offloaded_mib"])
         lines.append(
             [
@@ -230,19 +231,21 @@ def targets(path: Path) -> str:
     full = ", ".join(f"≥ {target:g}× on {model}" for model, target in FULL_TARGETS.items())
     reduction, time_ratio = SELECTIVE_TARGET
     lines = [
-        f"Targets: full checkpointing {full} at ≤ {FULL_TIME_TARGET}× step time; selective, or the knapsack at "
+        f"Targets: full checkpointing (plain, or lean where a model's blocks have a lean path) {full} at ≤ "
+        f"{FULL_TIME_TARGET}× step time; selective, or the knapsack at "
         f"selective's memory, ≥ {reduction:g}× at ≤ {time_ratio}× (CPU step times):",
         "",
     ]
     rows = read_rows(path)
     unchecked = {row["model"]: float(row["activation_peak_mib"]) for row in rows if row["policy"] == "none"}
     knapsack = f"budget={KNAPSACK_BUDGET}"
-    for policy in ("full", "selective", knapsack):
+    for policy in ("full", "lean", "selective", knapsack):  # lean: full by a block's own lean path, where it has one
         met, missed = [], []
         for row in (row for row in rows if row["policy"] == policy):
             model = row["model"].split()[0]
-            least = FULL_TARGETS[model] if policy == "full" else reduction
-            slowest = FULL_TIME_TARGET if policy == "full" else time_ratio
+            whole = policy in ("full", "lean")
+            least = FULL_TARGETS[model] if whole else reduction
+            slowest = FULL_TIME_TARGET if whole else time_ratio
             figure = f"{float(row['reduction']):.2f}× at {float(row['step_time_ratio']):.2f}×"
             if policy == knapsack:  # its choice, and its peak against the budget it was planned for
                 chosen = row["note"].split("; ")[0].removeprefix("knapsack: ")
@@ -251,6 +254,8 @@ def targets(path: Path) -> str:
             fits = float(row["reduction"]) >= least and float(row["step_time_ratio"]) <= slowest
             (met if fits else missed).append(f"{model} ({figure})")
         verdicts = [f"{word} on {', '.join(models)}" for word, models in (("met", met), ("missed", missed)) if models]
+        if not verdicts:
+            continue
         lines.append(f"- **{_POLICY_LABELS.get(policy, f'`{policy}`')}**: {'; '.join(verdicts)}.")
     return prose(*lines)
 
@@ -282,10 +287,30 @@ def main() -> None:
                 f"{row['offloaded_mib']:>14.1f}{row['step_time_ratio']:>8.2f}  {row['note']}",
                 flush=True,
             )
-    if wanted is not None:  # the CSV's other rows stay: each measured row takes its old one's place
-        fresh = {(row["model"], row["policy"]): row for row in rows if row["policy"] in wanted}
-        rows = [fresh.get((row["model"], row["policy"]), row) for row in read_rows(args.csv)]
+    if wanted is not None:
+        rows = merged(read_rows(args.csv), [row for row in rows if row["policy"] in wanted])
     write_csv(args.csv, rows)
+
+
+def merged(kept: list[dict], fresh: list[dict]) -> list[dict]:
+    """``kept``'s rows with each of ``fresh`` in its old one's place (same model and policy), a new one after its
+    model's rows (a model ``kept`` lacks: at the end).
+
+    Example::
+
+        >>> old = [{"model": "a", "policy": "none", "x": 1}, {"model": "a", "policy": "full", "x": 1},
+        ...        {"model": "b", "policy": "none", "x": 1}]
+        >>> new = [{"model": "a", "policy": "full", "x": 2}, {"model": "a", "policy": "lean", "x": 2}]
+        >>> [(row["model"], row["policy"], row["x"]) for row in merged(old, new)]
+        [('a', 'none', 1), ('a', 'full', 2), ('a', 'lean', 2), ('b', 'none', 1)]
+    """
+    waiting = {(row["model"], row["policy"]): row for row in fresh}
+    rows: list[dict] = []
+    for index, row in enumerate(kept):
+        rows.append(waiting.pop((row["model"], row["policy"]), row))
+        if index + 1 == len(kept) or kept[index + 1]["model"] != row["model"]:  # the model's last row: new ones
+            rows += [new for key, new in list(waiting.items()) if key[0] == row["model"] and waiting.pop(key)]
+    return rows + list(waiting.values())
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ def memory_profile_highlights(path: Path) -> str:
 
 def activation_checkpointing_highlights(path: Path) -> str:
     """The README's short table: per model, the activations without checkpointing and what each policy saves on
-    the CPU (offload is left out: on a CPU device the host is the device, and no GPU has measured its saving).
-    A model timed at a smaller input than its bytes were counted at says so in its label."""
+    the CPU (offload is left out: on a CPU device the host is the device, and no GPU has measured its saving); full
+    checkpointing's cell adds ``lean``'s where the model has such a row (blocks with a lean recomputation of their
+    own). A model timed at a smaller input than its bytes were counted at says so in its label."""
     by_model: dict[str, dict[str, dict[str, str]]] = {}
     for row in read_rows(path):
         by_model.setdefault(row["model"], {})[row["policy"]] = row
@@ -74,6 +75,9 @@ def activation_checkpointing_highlights(path: Path) -> str:
         for policy in ("full", "selective", "budget=0.5"):
             row = policies[policy]
             cells.append(f"{float(row['reduction']):.1f}× less at {float(row['step_time_ratio']):.2f}× time")
+        if "lean" in policies:
+            lean = policies["lean"]
+            cells[2] += f" (`lean`: {float(lean['reduction']):.1f}× less at {float(lean['step_time_ratio']):.2f}×)"
         lines.append(cells)
     columns = ["model (fp32, CPU)", "activations GiB", "full checkpointing", "selective", "knapsack at ½"]
     return markdown_table(columns, lines)
