@@ -1,4 +1,4 @@
-"""Two CPU ranks (gloo) fit under ActivationCheckpointing({"budget": 0.5}) pricing alike only on rank 0's word.
+"""Two CPU ranks (gloo) fit under ActivationCheckpointing({"budget": 0.4}) pricing alike only on rank 0's word.
 
 Rank 1 prices for a host link 2500× slower than rank 0's A100, so on its own it would recompute what rank 0
 offloads: every rank applying rank 0's choice shows the choice was broadcast, not made again.
@@ -29,10 +29,10 @@ def rank_prices(device, name, budget):
 
 def main(out_dir: str) -> None:
     callback_module.hardware_for = rank_prices
-    callback = ActivationCheckpointing({"budget": 0.5})
+    callback = ActivationCheckpointing({"budget": 0.4})
     trainer = quiet_trainer(strategy="ddp", devices=2, max_steps=2, callbacks=[callback])
     trainer.fit(TinyViTModule(), _loader())
-    own = plan_checkpointing(TinyViTModule(), next(iter(_loader())), 0.5, hardware=rank_prices(None, None, None))
+    own = plan_checkpointing(TinyViTModule(), next(iter(_loader())), 0.4, hardware=rank_prices(None, None, None))
     result = {"chosen": dict(callback.chosen), "wrapped": dict(callback.report.modules), "own": own.modes}
     torch.save(result, f"{out_dir}/rank{trainer.global_rank}.pt")
 
