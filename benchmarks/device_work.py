@@ -262,7 +262,7 @@ def _wrapped_blocks(module: nn.Module, mode: str) -> tuple[int, dict[str, nn.Mod
 
 def _is_cut(block: nn.Module) -> bool:
     lean = lean_recompute(block)
-    return lean is not None and (lean.held_fraction, lean.forwards) != (1.0, 1.0)
+    return lean is not None and lean.cut
 
 
 def _loss_of(case: Case) -> Callable[[nn.Module, Any], Tensor] | None:

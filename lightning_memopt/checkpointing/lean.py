@@ -34,6 +34,17 @@ class LeanRecompute:
     held_fraction: float
     forwards: float
 
+    @property
+    def cut(self) -> bool:
+        """Whether it differs from plain checkpointing (in one piece, one forward, it is the plain one).
+
+        Example::
+
+            >>> LeanRecompute(held_fraction=1.0, forwards=1.0).cut, LeanRecompute(held_fraction=0.5, forwards=1.0).cut
+            (False, True)
+        """
+        return (self.held_fraction, self.forwards) != (1.0, 1.0)
+
 
 def lean_recompute(module: nn.Module) -> LeanRecompute | None:
     """The cost ``module``'s own ``checkpointed_forward`` declares, or None (it has none: plain checkpointing).

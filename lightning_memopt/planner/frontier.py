@@ -137,7 +137,7 @@ def block_options(
             continue
         forward = anchor.work(("forward",), (name,))
         found = [BlockOption(NO_CHECKPOINT, 0, 0.0)]
-        cut = name in lean and (lean[name].held_fraction, lean[name].forwards) != (1.0, 1.0)
+        cut = name in lean and lean[name].cut
         for mode in (*CHECKPOINT_MODES, LEAN) if cut else CHECKPOINT_MODES:
             if mode == "offload" and hardware.host_is_device:
                 continue

@@ -39,7 +39,8 @@ def _train(model: nn.Module, loss_fn, steps: int = 2):
     return grads, model.state_dict()
 
 
-@pytest.mark.parametrize("policy", ["auto", "selective", "offload", "every_n"])
+# "lean" on blocks without a lean path of their own is plain full recomputation
+@pytest.mark.parametrize("policy", ["auto", "selective", "offload", "every_n", "lean"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_the_discovered_blocks_train_with_bitwise_equal_gradients_and_buffers(name, policy):
     build, loss_fn, blocks, thinned = MODELS[name]
