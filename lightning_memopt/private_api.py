@@ -66,6 +66,7 @@ __all__ = [
     "is_traceable_wrapper_subclass",
     "lightning_console_handler",
     "logging_step",
+    "min_cut_partition",
     "materialize_distributed_module",
     "module_compiled",
     "optimized_module_class",
@@ -74,8 +75,11 @@ __all__ = [
     "powersgd_compresses",
     "point_logging_at",
     "record_cuda_memory_history",
+    "reparametrized",
+    "same_memory",
     "storage_base",
     "tensor_version",
+    "trace_forward_and_backward",
     "training_dataloader",
     "tree_flatten",
     "tree_map",
@@ -110,6 +114,22 @@ def tensor_version(tensor: torch.Tensor) -> int:
     saved tensor, and offloading keys its host copies by it, so a tensor changed in place is copied anew.
     """
     return int(tensor._version)
+
+
+def same_memory(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether two tensors are the same elements of one storage, in one layout and dtype (``copy_`` from one to the
+    other returns at once, launching nothing).
+
+    missing: ``Tensor.is_set_to`` answers this for real tensors but not for fake ones; ``torch._C._is_alias_of``
+    (what ATen's ``copy_`` asks) does for both.
+    """
+    return (
+        torch._C._is_alias_of(first, second)
+        and first.storage_offset() == second.storage_offset()
+        and first.shape == second.shape
+        and first.stride() == second.stride()
+        and first.dtype == second.dtype
+    )
 
 
 def is_batch_norm(module: nn.Module) -> bool:
@@ -205,6 +225,49 @@ def function_compiled(function: Callable[..., Any] | None) -> bool:
     missing: a public ``torch.compiler`` test for a compiled function.
     """
     return hasattr(function, "_torchdynamo_orig_callable")
+
+
+# -- torch: tracing a module's forward and backward into graphs ----------------------------------------------------
+def trace_forward_and_backward(
+    function: Callable[..., Any], partition: Callable[..., Any], parameters_and_buffers: int
+) -> Callable[..., Any]:
+    """``function`` traced (on its first call) into a forward and a backward graph of aten ops that ``partition``
+    splits from the joint graph; both run as traced, compiled by nothing. The first ``parameters_and_buffers``
+    arguments are a module's state.
+
+    missing: a public AOTAutograd entry (``functorch.compile.aot_function``, which ``torch.compile`` builds on, is
+    documented as a prototype); imported here, on first use, as it loads part of ``torch._functorch``.
+    """
+    from functorch.compile import aot_function, make_boxed_func
+
+    def as_traced(graph: Any, inputs: Any) -> Any:
+        return make_boxed_func(graph.forward)
+
+    return aot_function(
+        function, as_traced, as_traced, partition_fn=partition, num_params_buffers=parameters_and_buffers
+    )
+
+
+def min_cut_partition(joint: Any, inputs: Any, **options: Any) -> tuple[Any, Any]:
+    """AOTAutograd's partition of a joint graph that saves the least it can, and honours each node's
+    ``meta["recompute"]`` (a ``torch.utils.checkpoint.CheckpointPolicy``) where one is set.
+
+    missing: a public partitioner (``functorch.compile.min_cut_rematerialization_partition``).
+    """
+    from functorch.compile import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(joint, inputs, **options)
+
+
+def reparametrized(module: nn.Module, state: dict[str, torch.Tensor]) -> Any:
+    """A context in which ``module``'s parameters and buffers are the tensors of ``state`` (by qualified name).
+
+    missing: ``torch.func.functional_call`` does this around ``module(...)``; a checkpointed module's forward must be
+    called beneath its instance ``forward`` (``torch.nn.utils.stateless._reparametrize_module``).
+    """
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, state)
 
 
 # -- Lightning ------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from lightning_memopt.checkpointing.policy import KEYWORDS, ActivationBudget, Po
 from lightning_memopt.checkpointing.recompute import reaches_one_input, recompute_in_backward
 from lightning_memopt.checkpointing.recompute_state import RecomputeState, cuda_devices
 from lightning_memopt.checkpointing.selective import selective_context
+from lightning_memopt.checkpointing.selective_graph import SelectiveGraph
 from lightning_memopt.memory.autocast_lists import under_lists_of_forward
 from lightning_memopt.private_api import is_batch_norm
 from lightning_memopt.selection import describe_model
@@ -66,6 +67,7 @@ class CheckpointedForward:
         self.mode = mode
         self.previous = previous  # an instance forward that was there before ours, kept and restored
         self.state = RecomputeState(module)  # norm statistics and random draws, kept between calls
+        self.graph = SelectiveGraph(module)  # selective recomputation by traced graphs, where it can be traced
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
@@ -86,6 +88,10 @@ class CheckpointedForward:
         # a profile planning for CUDA on the CPU: the recomputation follows the autocast lists the forward did
         forward = under_lists_of_forward(self._forward)
         if not compiling and reaches_one_input(args, kwargs):
+            if self.mode == "selective" and self.previous is None and not kwargs:
+                output = self.graph.run(forward, args)
+                if output is not None:
+                    return output
             selective = self.mode == "selective" and self.state.selective.pays is not False
             return recompute_in_backward(self.state, forward, args, kwargs, selective=selective)
         options: dict[str, Any] = {"use_reentrant": False}

@@ -19,11 +19,12 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from lightning_memopt.memory.tracker import allocating_on_host
-from lightning_memopt.private_api import CPU_FLASH_ATTENTION_OPS, TorchDispatchMode, tree_flatten
+from lightning_memopt.private_api import CPU_FLASH_ATTENTION_OPS, TorchDispatchMode, same_memory, tree_flatten
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _CONVOLUTIONS = ("convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution")  # forward and backward
 _NOT_KERNELS = frozenset({"detach", "alias", "lift_fresh", "_to_copy_noop"})
+_COPY = torch.ops.aten.copy_.default
 
 
 @dataclass
@@ -112,7 +113,7 @@ class WorkCounter(TorchDispatchMode):
         key = (getattr(self.context, "phase", ""), getattr(self.context, "current_block", ""))
         work = self.counts[key]
         work.ops += func.namespace == "aten"
-        if not is_kernel(func):
+        if not is_kernel(func, args):
             return out
         written = sum(t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         work.bytes_written += written
@@ -136,13 +137,15 @@ class WorkCounter(TorchDispatchMode):
         return sum_work(self.counts, phases, blocks)
 
 
-def is_kernel(func: Any) -> bool:
-    """Whether an op runs a kernel of its own on the device (views, aliases and offload copies do not: the latter
-    are priced by the bytes offloaded, over the host link)."""
+def is_kernel(func: Any, args: tuple[Any, ...] = ()) -> bool:
+    """Whether an op on ``args`` runs a kernel of its own on the device (views, aliases, offload copies and a copy of a
+    tensor onto itself do not: offload copies are priced by the bytes offloaded, over the host link; a traced
+    graph hands back the buffers it updated in place, and copying them back returns at once)."""
     return (
         func.namespace == "aten"
         and not func.is_view
         and func.overloadpacket.__name__ not in _NOT_KERNELS
+        and not (func is _COPY and same_memory(args[0], args[1]))
         and not allocating_on_host()
     )
 
@@ -164,7 +167,7 @@ class KernelCounter(TorchDispatchMode):
         self.ops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.kernels += is_kernel(func)
+        self.kernels += is_kernel(func, args)
         self.ops += func.namespace == "aten"
         return func(*args, **(kwargs or {}))
 

@@ -1,0 +1,336 @@
+"""Selective recomputation without per-op Python: a block traced once into a forward and a backward graph.
+
+:class:`~lightning_memopt.checkpointing.selective.KeepExpensive` tells a block's expensive ops from its cheap ones
+by calling Python for every op, in the forward and again in the recomputation: on a host-bound step that costs
+more than the kept ops save. Here a block is traced once (AOTAutograd, on fake tensors) into the joint graph of
+its forward and backward aten ops; the outputs of :data:`~lightning_memopt.checkpointing.selective.SAVED_OPS` and
+of random ops are tagged to be saved, every other op to be recomputed, and the min-cut partitioner splits the
+graph in two: a forward that returns what backward needs, a backward that recomputes the cheap ops and computes
+the gradients. Both run as plain aten calls inside one autograd node: no dispatch mode, no saved-tensor hook.
+
+Batch norm in training updates its running statistics in the forward (the traced graph returns them and they are
+copied into the buffers, as torch.compile does); its recomputation normalises by the batch's statistics alone
+(``_native_batch_norm_legit.no_stats``), reading no buffer that the forward has since changed. The outputs,
+gradients and running statistics equal the unchecked block's bitwise on the CPU (tested).
+
+One trace serves every block of one structure (class, the attributes of the modules inside, the shapes of
+parameters, buffers and inputs, autocast): parameters and buffers are the graph's inputs. What a trace cannot
+follow is not traced and goes the dispatch-mode way instead (:meth:`SelectiveGraph.run` returns ``None``):
+hooks or instance forwards on modules inside the block, tensors kept as plain attributes, attributes that no key
+can compare, a buffer changed in the forward other than batch norm's statistics, or control flow on tensor values.
+A forward's Python side effects happen once, when it is traced.
+
+Example::
+
+    >>> block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    >>> x = torch.randn(2, 4, requires_grad=True)
+    >>> out = SelectiveGraph(block).run(block.forward, (x,))
+    >>> out.sum().backward()
+    >>> expected = torch.autograd.grad(block(x).sum(), x)[0]
+    >>> torch.equal(x.grad, expected)
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import logging
+import operator
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+from lightning_memopt.checkpointing.selective import SAVED_OPS
+from lightning_memopt.memory.autocast_lists import active_lists
+from lightning_memopt.private_api import (
+    FakeTensorMode,
+    disable_current_modes,
+    is_batch_norm,
+    min_cut_partition,
+    reparametrized,
+    tensor_version,
+    trace_forward_and_backward,
+)
+
+log = logging.getLogger(__name__)
+
+GRAPHS_KEPT = 256  # traced graphs kept in this process (the least recently used go first)
+_BATCH_NORM = torch.ops.aten._native_batch_norm_legit_functional.default
+_BATCH_NORM_BATCH_STATISTICS = torch.ops.aten._native_batch_norm_legit.no_stats
+_BATCH_NORM_BACKWARD = torch.ops.aten.native_batch_norm_backward.default
+_BATCH_NORM_IN_PLACE = torch.ops.aten._native_batch_norm_legit.default
+_ADD, _ADD_IN_PLACE = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
+_PRIMITIVES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_UNTRACEABLE = object()  # a key whose trace failed: the dispatch-mode way, without trying again
+
+
+class _Graphs:
+    """The traced graphs of this process, by structure and inputs; :data:`_UNTRACEABLE` where tracing failed."""
+
+    def __init__(self, kept: int) -> None:
+        self.kept = kept
+        self.entries: OrderedDict[tuple, Any] = OrderedDict()
+
+    def get(self, key: tuple) -> Any:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, key: tuple, entry: Any) -> None:
+        self.entries[key] = entry
+        while len(self.entries) > self.kept:
+            self.entries.popitem(last=False)
+
+
+GRAPHS = _Graphs(GRAPHS_KEPT)
+
+
+class SelectiveGraph:
+    """One checkpointed block's way to its traced graphs. Its structure (the modules inside, their attributes, where
+    its parameters and buffers live) is read on its first call; each call reads the tensors, training flags and
+    hooks again.
+
+    Example::
+
+        >>> graph = SelectiveGraph(torch.nn.Linear(2, 2))
+        >>> graph.run(graph.module.forward, (torch.ones(1, 2, requires_grad=True),)).shape
+        torch.Size([1, 2])
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.structure: int | None = None  # the structure's number in this process; None: untraceable
+        self.read = False
+        self.modules: list[nn.Module] = []
+        self.names: list[str] = []  # of its parameters, then its buffers
+        self.slots: list[tuple[dict[str, Any], str]] = []  # where each of those lives: (a module's dict, key)
+
+    def run(self, forward: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> Any:
+        """``forward(*inputs)`` by the block's traced graphs, recomputing its cheap ops in backward; ``None`` where
+        the block cannot be traced (then nothing ran)."""
+        if not self.read:
+            self._read()
+        if self.structure is None or any(map(_hooked, self.modules[1:])):
+            return None
+        tensors = (*(members[name] for members, name in self.slots), *inputs)
+        lists = active_lists()
+        training = tuple(module.training for module in self.modules)
+        key = (self.structure, training, _metas(tensors), _autocast(tensors), lists and lists.dtype)
+        graph = GRAPHS.get(key)
+        if graph is None:
+            graph = _trace(self.module, forward, self.names, tensors)
+            GRAPHS.put(key, graph)
+        return None if graph is _UNTRACEABLE else graph(*tensors)
+
+    def _read(self) -> None:
+        self.read = True
+        structure = _structure(self.module)
+        if structure is None:
+            return
+        self.structure = _STRUCTURES.setdefault(structure, len(_STRUCTURES))
+        self.modules = list(self.module.modules())
+        owners = dict(self.module.named_modules())
+        for kind, named in (("_parameters", self.module.named_parameters()), ("_buffers", self.module.named_buffers())):
+            for name, _ in named:
+                owner, _, attribute = name.rpartition(".")
+                self.names.append(name)
+                self.slots.append((getattr(owners[owner], kind), attribute))
+
+
+_STRUCTURES: dict[tuple, int] = {}  # each block structure seen in this process, numbered
+
+
+def _trace(module: nn.Module, forward: Callable[..., Any], names: list[str], tensors: tuple) -> Any:
+    """The traced graphs of ``forward`` on tensors shaped as ``tensors`` (state first), or :data:`_UNTRACEABLE`."""
+    source: list[Any] = [module, forward]  # what the trace reads, let go once traced
+
+    def block(*flat: torch.Tensor) -> Any:
+        traced_module, traced_forward = source
+        with reparametrized(traced_module, dict(zip(names, flat[: len(names)], strict=True))):
+            return traced_forward(*flat[len(names) :])
+
+    counters = {f"primals_{i + 1}" for i, name in enumerate(names) if name in _batch_norm_counters(module)}
+    partition = functools.partial(_selective_partition, counters=counters)
+    graph = trace_forward_and_backward(block, partition, len(names))
+    try:
+        with disable_current_modes():  # what watches the step sees the graphs run, not their tracing
+            stand_ins = _fake_copies(tensors)
+            versions = [tensor_version(t) for t in stand_ins]
+            with torch.enable_grad():
+                graph(*stand_ins)
+    except Exception as error:  # noqa: BLE001 - whatever stops the tracer, the dispatch-mode way serves
+        log.info(
+            "selective checkpointing of %s by dispatch mode: it cannot be traced (%s)", type(module).__name__, error
+        )
+        return _UNTRACEABLE
+    finally:
+        source.clear()
+    changed = {name for name, t, v in zip(names, stand_ins, versions, strict=False) if tensor_version(t) != v}
+    others = sorted(changed - _batch_norm_statistics(module) - _batch_norm_counters(module))
+    if others:  # its recomputation could read them changed
+        log.info(
+            "selective checkpointing of %s by dispatch mode: its forward changes %s", type(module).__name__, others
+        )
+        return _UNTRACEABLE
+    return graph
+
+
+def _selective_partition(joint: Any, inputs: Any, counters: set[str], **options: Any) -> tuple[Any, Any]:
+    """Split the joint graph: the outputs of expensive and random ops saved, every other forward op recomputed in
+    backward; batch norm recomputed from its batch's statistics, its forward run once."""
+    _recompute_batch_norm_from_batch(joint.graph)
+    backward_nodes = _backward_nodes(joint.graph)
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or node in backward_nodes:
+            continue
+        source = node.args[0] if node.target is operator.getitem else node
+        saved = source.target in SAVED_OPS or source.target is _BATCH_NORM or _random(source.target)
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+        node.meta["ac_graph_id"] = 1
+    joint.recompile()
+    forward, backward = min_cut_partition(joint, inputs, **options)
+    _batch_norm_in_place_in_forward(forward.graph, counters)
+    forward.recompile()
+    return forward, backward
+
+
+def _recompute_batch_norm_from_batch(graph: Any) -> None:
+    """Beside each training batch norm, one by the batch's statistics alone, whose outputs every op takes; the first
+    keeps only the running statistics it returns, and backward reads none of them (training mode ignores them)."""
+    for node in list(graph.nodes):
+        if node.target is not _BATCH_NORM or not node.args[5]:
+            continue
+        x, weight, bias, _, _, training, momentum, eps = node.args
+        with graph.inserting_after(node):
+            batch = graph.call_function(_BATCH_NORM_BATCH_STATISTICS, (x, weight, bias, training, momentum, eps))
+        for user in list(node.users):
+            index = user.args[1]
+            if index < 3:
+                with graph.inserting_after(batch):
+                    user.replace_all_uses_with(graph.call_function(operator.getitem, (batch, index)))
+                graph.erase_node(user)
+            else:
+                for reader in list(user.users):
+                    if reader.target is _BATCH_NORM_BACKWARD:
+                        reader.update_arg(index, None)  # running_mean (3) / running_var (4): unread in training
+    graph.lint()
+
+
+def _batch_norm_in_place_in_forward(graph: Any, counters: set[str]) -> None:
+    """The forward graph's training batch norms as the unchecked forward runs them: one kernel that updates the
+    running statistics in place (they are what the graph returns for them, so copying them back copies nothing),
+    its outputs taken also for the batch-statistics twin beside it; the ``counters`` (placeholders of batch norms'
+    ``num_batches_tracked``) incremented in place."""
+    twins = {node.args[:3]: node for node in graph.nodes if node.target is _BATCH_NORM_BATCH_STATISTICS}
+    for node in list(graph.nodes):
+        if node.target is _BATCH_NORM and node.args[5] and all(a.op == "placeholder" for a in node.args[3:5]):
+            with graph.inserting_before(node):
+                in_place = graph.call_function(_BATCH_NORM_IN_PLACE, node.args)
+            twin = twins.pop(node.args[:3], None)
+            for source in (node, twin) if twin is not None else (node,):
+                for user in list(source.users):
+                    index = user.args[1]
+                    if index < 3:
+                        with graph.inserting_after(in_place):
+                            replacement = graph.call_function(operator.getitem, (in_place, index))
+                    else:
+                        replacement = node.args[index]  # the running statistic, updated in place
+                    user.replace_all_uses_with(replacement)
+                    graph.erase_node(user)
+                graph.erase_node(source)
+        elif node.target is _ADD and node.args[0].op == "placeholder" and node.args[0].name in counters:
+            with graph.inserting_before(node):
+                node.replace_all_uses_with(graph.call_function(_ADD_IN_PLACE, node.args, node.kwargs))
+            graph.erase_node(node)
+    graph.lint()
+
+
+def _backward_nodes(graph: Any) -> set[Any]:
+    """The nodes that depend on a tangent (an output's gradient): the backward half of a joint graph."""
+    backward: set[Any] = set()
+    for node in graph.nodes:
+        tangent = node.op == "placeholder" and node.name.startswith("tangents")
+        if tangent or any(parent in backward for parent in node.all_input_nodes):
+            backward.add(node)
+    return backward
+
+
+def _random(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _structure(module: nn.Module) -> tuple | None:
+    """What a traced graph of ``module`` depends on besides tensor shapes and training flags: each module's class
+    and plain attributes; ``None`` where something inside cannot be traced or compared."""
+    parts: list[Any] = []
+    for name, inner in module.named_modules():
+        attributes = []
+        for attribute, value in vars(inner).items():
+            if attribute.startswith("_") or attribute == "training" or (inner is module and attribute == "forward"):
+                continue  # the block's own instance forward is the checkpointing's
+            if isinstance(value, torch.Tensor) or attribute == "forward":
+                return None  # a tensor the trace would hold as a constant; a forward patched on a module inside
+            if not _comparable(value):
+                return None
+            attributes.append((attribute, _hashable(value)))
+        parts.append((name, type(inner), tuple(attributes)))
+    return tuple(parts)
+
+
+def _hooked(module: nn.Module) -> bool:
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(getattr(module, hooks_of, None) for hooks_of in hooks)
+
+
+def _comparable(value: Any) -> bool:
+    """Whether ``value`` can stand in a key: plain values, frozen dataclasses and enums of them, and functions and
+    classes (by identity)."""
+    if isinstance(value, (*_PRIMITIVES, enum.Enum)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(map(_comparable, value))
+    if dataclasses.is_dataclass(value) and value.__dataclass_params__.frozen:
+        return all(_comparable(getattr(value, field.name)) for field in dataclasses.fields(value))
+    return callable(value) and getattr(value, "__module__", None) is not None
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(map(_hashable, value)) if isinstance(value, (tuple, list)) else value
+
+
+def _metas(tensors: tuple[torch.Tensor, ...]) -> tuple:
+    return tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad, type(t)) for t in tensors)
+
+
+def _autocast(tensors: tuple[torch.Tensor, ...]) -> tuple:
+    kinds = sorted({t.device.type for t in tensors} | {"cpu"})
+    return tuple((kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in kinds)
+
+
+def _fake_copies(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Stand-ins to trace on, in a fake mode of their own (gradient flags kept): the trace keeps what it ran on, and
+    nothing of the step's own, fake or real, may stay alive by it."""
+    fake_mode = FakeTensorMode()
+    return tuple(fake_mode.from_tensor(t.detach()).requires_grad_(t.requires_grad) for t in tensors)
+
+
+def _batch_norm_statistics(module: nn.Module, names: tuple[str, ...] = ("running_mean", "running_var")) -> set[str]:
+    """The buffers of ``module``'s batch norms that their forward in training updates: their running statistics."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, inner in module.named_modules()
+        if is_batch_norm(inner)
+        for name in names
+    }
+
+
+def _batch_norm_counters(module: nn.Module) -> set[str]:
+    """The ``num_batches_tracked`` of ``module``'s batch norms."""
+    return _batch_norm_statistics(module, ("num_batches_tracked",))
