@@ -6,9 +6,11 @@ is the same on a CPU as beside a GPU, so it is measured here on narrow models wi
 where the arithmetic is negligible: a residual CNN with batch norm and a pre-norm transformer, each
 step timed without checkpointing, with each mode of ours on every block, and with PyTorch's own
 ``torch.utils.checkpoint`` (the anchor), interleaved round by round, the fastest round of each kept.
-``selective`` is the mode as a model gets it: on tensors this small keeping the matmuls does not pay, so
-after its first calls each block is recomputed in full (:mod:`~lightning_memopt.checkpointing.selective_payoff`);
-``selective kept`` keeps them on every call: the cost of the mode itself, which the planner prices.
+``selective`` is the mode as a model gets it: the narrow models' blocks run as traced graphs
+(:mod:`~lightning_memopt.checkpointing.selective_graph`) that keep their matmuls on every call; a block no trace can
+follow goes the dispatch-mode way, where on tensors this small keeping does not pay and after its first calls the
+block is recomputed in full (:mod:`~lightning_memopt.checkpointing.selective_payoff`). ``selective kept`` keeps them
+on every call either way: the cost of the mode itself, which the planner prices.
 What a mode adds beyond the kernels it recomputes is priced per wrapped call and per forward op inside it, fitted
 on both narrow models wrapped one and four blocks a call (:func:`host_costs`) and checked on the held-out models
 of :mod:`~lightning_memopt.planner.narrow_models` (``benchmarks/host_overhead.py``).
@@ -66,8 +68,8 @@ def _ours(mode: str) -> Wrapper:
 
 
 def _selective_kept(model: nn.Sequential) -> nn.Module:
-    """Selective on every block, keeping the expensive ops even where that does not pay (as it does not on tiny
-    tensors, where ``"selective"`` recomputes in full after its first calls): the cost of the mode itself."""
+    """Selective on every block, keeping the expensive ops even where that does not pay (a block that goes the
+    dispatch-mode way recomputes in full after its first calls on tiny tensors): the cost of the mode itself."""
     wrapped = _ours("selective")(model)
     for block in wrapped:
         block.forward.state.selective.pays = True

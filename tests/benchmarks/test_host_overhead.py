@@ -39,6 +39,7 @@ def test_full_costs_the_host_no_more_than_torch_utils_checkpoint_and_selective_n
         assert ratio["none"] == 1.0
         assert ratio["full"] <= host_overhead.FULL_OVER_TORCH * ratio["torch"], (name, ratio)
         assert ratio["selective"] <= host_overhead.SELECTIVE_OVER_FULL * ratio["full"], (name, ratio)
+        assert ratio["selective kept"] <= host_overhead.SELECTIVE_KEPT_OVER_FULL * ratio["full"], (name, ratio)
     regions = [row["variant"] for row in rows if row["model"] == "both, fitted"]
     modes = ["torch", "full", "selective", "offload", "selective kept"]
     assert regions == [f"{mode}: region {unit}" for mode in modes for unit in host_overhead.REGION_UNITS]
