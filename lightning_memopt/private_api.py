@@ -11,6 +11,9 @@ overrides ``_get_process_group_backend`` and reads ``_process_group_backend``, a
 ``SwitchablePrecision`` calls its base's ``_after_closure``, as Lightning's own subclasses do;
 ``FaceVerification._sync_dist`` is the hook torchmetrics documents for custom state syncing.
 
+Over 300 lines because it is the one place by design: each entry is a few lines with the public API it lacks, and
+splitting them by topic would give a release's breakage several files to be found in.
+
 Example::
 
     >>> import torch
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -46,6 +50,7 @@ from torch.utils._python_dispatch import _disable_current_modes as disable_curre
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
+    "BATCH_NORM_OPS",
     "CAST_OP",
     "active_function_modes",
     "CPU_FLASH_ATTENTION_OPS",
@@ -61,6 +66,7 @@ __all__ = [
     "ends_optimizer_step",
     "fsdp_checkpoints_itself",
     "function_compiled",
+    "is_aten_op",
     "is_batch_norm",
     "is_fake",
     "is_traceable_wrapper_subclass",
@@ -246,6 +252,24 @@ def trace_forward_and_backward(
     return aot_function(
         function, as_traced, as_traced, partition_fn=partition, num_params_buffers=parameters_and_buffers
     )
+
+
+# the batch-norm ops of a traced graph: training mode returning the new running statistics (functional), by the
+# batch's statistics alone, and updating the statistics in place; missing: public names (torch.export and
+# torch.compile graphs hold the same underscored ops)
+BATCH_NORM_OPS = SimpleNamespace(
+    training=_ATEN._native_batch_norm_legit_functional.default,
+    batch_statistics=_ATEN._native_batch_norm_legit.no_stats,
+    in_place=_ATEN._native_batch_norm_legit.default,
+)
+
+
+def is_aten_op(target: Any) -> bool:
+    """Whether a graph node's ``target`` is an operator overload (``torch.ops.aten.mm.default``, say).
+
+    missing: a public name for ``torch._ops.OpOverload``.
+    """
+    return isinstance(target, torch._ops.OpOverload)
 
 
 def min_cut_partition(joint: Any, inputs: Any, **options: Any) -> tuple[Any, Any]:

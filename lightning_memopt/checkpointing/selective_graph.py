@@ -5,13 +5,11 @@ by calling Python for every op, in the forward and again in the recomputation: o
 more than the kept ops save. Here a block is traced once (AOTAutograd, on fake tensors) into the joint graph of
 its forward and backward aten ops; the outputs of :data:`~lightning_memopt.checkpointing.selective.SAVED_OPS` and
 of random ops are tagged to be saved, every other op to be recomputed, and the min-cut partitioner splits the
-graph in two: a forward that returns what backward needs, a backward that recomputes the cheap ops and computes
-the gradients. Both run as plain aten calls inside one autograd node: no dispatch mode, no saved-tensor hook.
-
-Batch norm in training updates its running statistics in the forward (the traced graph returns them and they are
-copied into the buffers, as torch.compile does); its recomputation normalises by the batch's statistics alone
-(``_native_batch_norm_legit.no_stats``), reading no buffer that the forward has since changed. The outputs,
-gradients and running statistics equal the unchecked block's bitwise on the CPU (tested).
+graph in two (:mod:`~lightning_memopt.checkpointing.selective_partition`): a forward that returns what backward
+needs, a backward that recomputes the cheap ops and computes the gradients. Both run as plain aten calls inside one
+autograd node: no dispatch mode, no saved-tensor hook. Batch norm updates its running statistics in place in the
+forward and is recomputed from the batch's statistics. The outputs, gradients and running statistics equal the
+unchecked block's bitwise on the CPU where the output's gradient is a dense tensor (tested).
 
 One trace serves every block of one structure (class, the attributes of the modules inside, the shapes of
 parameters, buffers and inputs, autocast): parameters and buffers are the graph's inputs. What a trace cannot
@@ -37,22 +35,19 @@ import dataclasses
 import enum
 import functools
 import logging
-import operator
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy
 
-from lightning_memopt.checkpointing.selective import SAVED_OPS
+from lightning_memopt.checkpointing.selective_partition import selective_partition
 from lightning_memopt.memory.autocast_lists import active_lists
 from lightning_memopt.private_api import (
     FakeTensorMode,
     disable_current_modes,
     is_batch_norm,
-    min_cut_partition,
     reparametrized,
     tensor_version,
     trace_forward_and_backward,
@@ -61,11 +56,6 @@ from lightning_memopt.private_api import (
 log = logging.getLogger(__name__)
 
 GRAPHS_KEPT = 256  # traced graphs kept in this process (the least recently used go first)
-_BATCH_NORM = torch.ops.aten._native_batch_norm_legit_functional.default
-_BATCH_NORM_BATCH_STATISTICS = torch.ops.aten._native_batch_norm_legit.no_stats
-_BATCH_NORM_BACKWARD = torch.ops.aten.native_batch_norm_backward.default
-_BATCH_NORM_IN_PLACE = torch.ops.aten._native_batch_norm_legit.default
-_ADD, _ADD_IN_PLACE = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
 _PRIMITIVES = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _UNTRACEABLE = object()  # a key whose trace failed: the dispatch-mode way, without trying again
 
@@ -157,7 +147,7 @@ def _trace(module: nn.Module, forward: Callable[..., Any], names: list[str], ten
             return traced_forward(*flat[len(names) :])
 
     counters = {f"primals_{i + 1}" for i, name in enumerate(names) if name in _batch_norm_counters(module)}
-    partition = functools.partial(_selective_partition, counters=counters)
+    partition = functools.partial(selective_partition, counters=counters)
     graph = trace_forward_and_backward(block, partition, len(names))
     try:
         with disable_current_modes():  # what watches the step sees the graphs run, not their tracing
@@ -180,90 +170,6 @@ def _trace(module: nn.Module, forward: Callable[..., Any], names: list[str], ten
         )
         return _UNTRACEABLE
     return graph
-
-
-def _selective_partition(joint: Any, inputs: Any, counters: set[str], **options: Any) -> tuple[Any, Any]:
-    """Split the joint graph: the outputs of expensive and random ops saved, every other forward op recomputed in
-    backward; batch norm recomputed from its batch's statistics, its forward run once."""
-    _recompute_batch_norm_from_batch(joint.graph)
-    backward_nodes = _backward_nodes(joint.graph)
-    for node in joint.graph.nodes:
-        if node.op != "call_function" or node in backward_nodes:
-            continue
-        source = node.args[0] if node.target is operator.getitem else node
-        saved = source.target in SAVED_OPS or source.target is _BATCH_NORM or _random(source.target)
-        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
-        node.meta["ac_graph_id"] = 1
-    joint.recompile()
-    forward, backward = min_cut_partition(joint, inputs, **options)
-    _batch_norm_in_place_in_forward(forward.graph, counters)
-    forward.recompile()
-    return forward, backward
-
-
-def _recompute_batch_norm_from_batch(graph: Any) -> None:
-    """Beside each training batch norm, one by the batch's statistics alone, whose outputs every op takes; the first
-    keeps only the running statistics it returns, and backward reads none of them (training mode ignores them)."""
-    for node in list(graph.nodes):
-        if node.target is not _BATCH_NORM or not node.args[5]:
-            continue
-        x, weight, bias, _, _, training, momentum, eps = node.args
-        with graph.inserting_after(node):
-            batch = graph.call_function(_BATCH_NORM_BATCH_STATISTICS, (x, weight, bias, training, momentum, eps))
-        for user in list(node.users):
-            index = user.args[1]
-            if index < 3:
-                with graph.inserting_after(batch):
-                    user.replace_all_uses_with(graph.call_function(operator.getitem, (batch, index)))
-                graph.erase_node(user)
-            else:
-                for reader in list(user.users):
-                    if reader.target is _BATCH_NORM_BACKWARD:
-                        reader.update_arg(index, None)  # running_mean (3) / running_var (4): unread in training
-    graph.lint()
-
-
-def _batch_norm_in_place_in_forward(graph: Any, counters: set[str]) -> None:
-    """The forward graph's training batch norms as the unchecked forward runs them: one kernel that updates the
-    running statistics in place (they are what the graph returns for them, so copying them back copies nothing),
-    its outputs taken also for the batch-statistics twin beside it; the ``counters`` (placeholders of batch norms'
-    ``num_batches_tracked``) incremented in place."""
-    twins = {node.args[:3]: node for node in graph.nodes if node.target is _BATCH_NORM_BATCH_STATISTICS}
-    for node in list(graph.nodes):
-        if node.target is _BATCH_NORM and node.args[5] and all(a.op == "placeholder" for a in node.args[3:5]):
-            with graph.inserting_before(node):
-                in_place = graph.call_function(_BATCH_NORM_IN_PLACE, node.args)
-            twin = twins.pop(node.args[:3], None)
-            for source in (node, twin) if twin is not None else (node,):
-                for user in list(source.users):
-                    index = user.args[1]
-                    if index < 3:
-                        with graph.inserting_after(in_place):
-                            replacement = graph.call_function(operator.getitem, (in_place, index))
-                    else:
-                        replacement = node.args[index]  # the running statistic, updated in place
-                    user.replace_all_uses_with(replacement)
-                    graph.erase_node(user)
-                graph.erase_node(source)
-        elif node.target is _ADD and node.args[0].op == "placeholder" and node.args[0].name in counters:
-            with graph.inserting_before(node):
-                node.replace_all_uses_with(graph.call_function(_ADD_IN_PLACE, node.args, node.kwargs))
-            graph.erase_node(node)
-    graph.lint()
-
-
-def _backward_nodes(graph: Any) -> set[Any]:
-    """The nodes that depend on a tangent (an output's gradient): the backward half of a joint graph."""
-    backward: set[Any] = set()
-    for node in graph.nodes:
-        tangent = node.op == "placeholder" and node.name.startswith("tangents")
-        if tangent or any(parent in backward for parent in node.all_input_nodes):
-            backward.add(node)
-    return backward
-
-
-def _random(target: Any) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
 def _structure(module: nn.Module) -> tuple | None:
