@@ -66,6 +66,7 @@ __all__ = [
     "ends_optimizer_step",
     "fsdp_checkpoints_itself",
     "function_compiled",
+    "has_hooks",
     "is_aten_op",
     "is_batch_norm",
     "is_fake",
@@ -84,6 +85,7 @@ __all__ = [
     "reparametrized",
     "same_memory",
     "storage_base",
+    "tensor_slots",
     "tensor_version",
     "trace_forward_and_backward",
     "training_dataloader",
@@ -136,6 +138,31 @@ def same_memory(first: torch.Tensor, second: torch.Tensor) -> bool:
         and first.stride() == second.stride()
         and first.dtype == second.dtype
     )
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` itself has forward or backward hooks (a trace of a module around it would skip them).
+
+    missing: a public query of a module's hooks (``nn.Module`` keeps them in ``_forward_hooks`` and its kin).
+    """
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(getattr(module, kind, None) for kind in kinds)
+
+
+def tensor_slots(module: nn.Module) -> list[tuple[str, dict[str, Any], str]]:
+    """Each parameter, then each buffer, of ``module`` (as ``named_parameters`` and ``named_buffers`` give them):
+    its qualified name, the dict of the module that holds it, and its key there — to read the current tensors
+    again cheaply on every call.
+
+    missing: a public view of where a module's tensors live (``nn.Module._parameters`` / ``_buffers``).
+    """
+    owners = dict(module.named_modules())
+    slots = []
+    for kind, named in (("_parameters", module.named_parameters()), ("_buffers", module.named_buffers())):
+        for name, _ in named:
+            owner, _, key = name.rpartition(".")
+            slots.append((name, getattr(owners[owner], kind), key))
+    return slots
 
 
 def is_batch_norm(module: nn.Module) -> bool:

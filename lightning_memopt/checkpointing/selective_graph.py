@@ -47,8 +47,10 @@ from lightning_memopt.memory.autocast_lists import active_lists
 from lightning_memopt.private_api import (
     FakeTensorMode,
     disable_current_modes,
+    has_hooks,
     is_batch_norm,
     reparametrized,
+    tensor_slots,
     tensor_version,
     trace_forward_and_backward,
 )
@@ -107,7 +109,7 @@ class SelectiveGraph:
         the block cannot be traced (then nothing ran)."""
         if not self.read:
             self._read()
-        if self.structure is None or any(map(_hooked, self.modules[1:])):
+        if self.structure is None or any(map(has_hooks, self.modules[1:])):
             return None
         tensors = (*(members[name] for members, name in self.slots), *inputs)
         lists = active_lists()
@@ -126,12 +128,9 @@ class SelectiveGraph:
             return
         self.structure = _STRUCTURES.setdefault(structure, len(_STRUCTURES))
         self.modules = list(self.module.modules())
-        owners = dict(self.module.named_modules())
-        for kind, named in (("_parameters", self.module.named_parameters()), ("_buffers", self.module.named_buffers())):
-            for name, _ in named:
-                owner, _, attribute = name.rpartition(".")
-                self.names.append(name)
-                self.slots.append((getattr(owners[owner], kind), attribute))
+        for name, members, key in tensor_slots(self.module):
+            self.names.append(name)
+            self.slots.append((members, key))
 
 
 _STRUCTURES: dict[tuple, int] = {}  # each block structure seen in this process, numbered
@@ -188,11 +187,6 @@ def _structure(module: nn.Module) -> tuple | None:
             attributes.append((attribute, _hashable(value)))
         parts.append((name, type(inner), tuple(attributes)))
     return tuple(parts)
-
-
-def _hooked(module: nn.Module) -> bool:
-    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return any(getattr(module, hooks_of, None) for hooks_of in hooks)
 
 
 def _comparable(value: Any) -> bool:
