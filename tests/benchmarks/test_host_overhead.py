@@ -64,10 +64,10 @@ def test_the_targets_missed_are_named_with_their_numbers():
     assert host_overhead.misses(rows) == [
         f"{name}: full 2.20× over torch's 2.00× (limit ×1.05)" for name in NARROW_MODELS
     ]
-    rows[-1]["over_none"] = "2.3"  # within the noise of two runs of the same work
+    rows[-1]["over_none"] = "2.4"  # within the noise of two runs of different host work
     assert len(host_overhead.misses(rows)) == 2
     rows[-1]["over_none"] = "3.0"
-    assert host_overhead.misses(rows)[-1] == "transformer: selective 3.00× is slower than full 2.20× (limit ×1.05)"
+    assert host_overhead.misses(rows)[-1] == "transformer: selective 3.00× is slower than full 2.20× (limit ×1.1)"
 
 
 def test_host_costs_are_measured_once_per_process():
