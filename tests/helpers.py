@@ -242,3 +242,19 @@ def fake_activation_peak(build, batch, loss_fn, policy=None) -> int:
     return profile.peak_bytes - sum(
         profile.breakdown[k] for k in ("parameters", "gradients", "inputs", "optimizer_state")
     )
+
+
+def keep_expensive_counted(monkeypatch) -> list:
+    """Every ``KeepExpensive`` that selective recomputation makes from now on (the dispatch-mode way), in a list."""
+    from lightning_memopt.checkpointing import recompute
+    from lightning_memopt.checkpointing.selective import KeepExpensive
+
+    made: list[KeepExpensive] = []
+
+    class Counted(KeepExpensive):
+        def __init__(self, timed: bool = False) -> None:
+            super().__init__(timed)
+            made.append(self)
+
+    monkeypatch.setattr(recompute, "KeepExpensive", Counted)
+    return made

@@ -145,7 +145,8 @@ def _trace(module: nn.Module, forward: Callable[..., Any], names: list[str], ten
         with reparametrized(traced_module, dict(zip(names, flat[: len(names)], strict=True))):
             return traced_forward(*flat[len(names) :])
 
-    counters = {f"primals_{i + 1}" for i, name in enumerate(names) if name in _batch_norm_counters(module)}
+    tracked = _batch_norm_counters(module)
+    counters = {f"primals_{i + 1}" for i, name in enumerate(names) if name in tracked}
     partition = functools.partial(selective_partition, counters=counters)
     graph = trace_forward_and_backward(block, partition, len(names))
     try:
@@ -162,7 +163,7 @@ def _trace(module: nn.Module, forward: Callable[..., Any], names: list[str], ten
     finally:
         source.clear()
     changed = {name for name, t, v in zip(names, stand_ins, versions, strict=False) if tensor_version(t) != v}
-    others = sorted(changed - _batch_norm_statistics(module) - _batch_norm_counters(module))
+    others = sorted(changed - _batch_norm_statistics(module) - tracked)
     if others:  # its recomputation could read them changed
         log.info(
             "selective checkpointing of %s by dispatch mode: its forward changes %s", type(module).__name__, others

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_memopt.checkpointing import apply_activation_checkpointing, recompute
+from lightning_memopt.checkpointing import apply_activation_checkpointing
 from lightning_memopt.checkpointing import selective_graph as graphs
-from lightning_memopt.checkpointing.selective import KeepExpensive
 from lightning_memopt.memory.work import KernelCounter
 from lightning_memopt.planner.narrow_models import HELD_OUT_MODELS, NARROW_MODELS, narrow_model
 from lightning_memopt.private_api import TorchDispatchMode
+from tests.helpers import keep_expensive_counted
 
 
 def _selective(model: nn.Sequential) -> nn.Sequential:
@@ -38,24 +38,12 @@ def _steps(model: nn.Module, x: torch.Tensor, steps: int = 2, buffers: bool = Tr
     return found + [p.grad for p in model.parameters()] + (list(model.buffers()) if buffers else [])
 
 
-def _kept(monkeypatch) -> list[KeepExpensive]:
-    made: list[KeepExpensive] = []
-
-    class Counted(KeepExpensive):
-        def __init__(self, timed: bool = False) -> None:
-            super().__init__(timed)
-            made.append(self)
-
-    monkeypatch.setattr(recompute, "KeepExpensive", Counted)
-    return made
-
-
 @pytest.mark.parametrize("name", NARROW_MODELS + HELD_OUT_MODELS)
 def test_traced_selective_gives_the_plain_steps_outputs_gradients_and_running_statistics_bitwise(monkeypatch, name):
     model, x = narrow_model(name, blocks=3)
     model.train()
     wrapped = _selective(model)
-    made = _kept(monkeypatch)
+    made = keep_expensive_counted(monkeypatch)
     expected, found = _steps(model, x), _steps(wrapped, x)
     assert not made  # no dispatch mode ran: the traced graphs did
     assert len(expected) == len(found)
@@ -174,7 +162,7 @@ def test_what_a_trace_cannot_follow_goes_the_dispatch_mode_way_with_the_plain_st
     torch.manual_seed(0)
     model = nn.Sequential(make(), make())
     wrapped = _selective(model)
-    made = _kept(monkeypatch)
+    made = keep_expensive_counted(monkeypatch)
     x = torch.randn(4, 8)
     with caplog.at_level(logging.INFO, logger=graphs.__name__):  # a changing buffer is changed again by recomputing
         expected, found = (

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lightning_memopt.checkpointing import apply_activation_checkpointing, recompute, remove_activation_checkpointing
+from lightning_memopt.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_memopt.checkpointing import selective_payoff as payoff
 from lightning_memopt.checkpointing.selective import KeepExpensive
 from lightning_memopt.checkpointing.selective_payoff import TIMED_CALLS, SelectivePayoff
+from tests.helpers import keep_expensive_counted
 
 
 class Mlp(nn.Module):
@@ -47,21 +48,9 @@ def _verdicts(model: nn.Sequential) -> list[bool | None]:
     return [block.forward.state.selective.pays for block in model]
 
 
-def _keeps_counted(monkeypatch) -> list[KeepExpensive]:
-    made: list[KeepExpensive] = []
-
-    class Counted(KeepExpensive):
-        def __init__(self, timed: bool = False) -> None:
-            super().__init__(timed)
-            made.append(self)
-
-    monkeypatch.setattr(recompute, "KeepExpensive", Counted)
-    return made
-
-
 def test_tiny_blocks_fall_back_to_full_after_their_timed_calls_with_the_plain_steps_gradients(monkeypatch, caplog):
     plain, wrapped = _selective(width=8)
-    made = _keeps_counted(monkeypatch)
+    made = keep_expensive_counted(monkeypatch)
     monkeypatch.setattr(payoff, "_logged", set())
     x = torch.randn(4, 8)
     with caplog.at_level(logging.INFO, logger=payoff.__name__):
@@ -128,7 +117,7 @@ def test_the_verdict_outlives_removing_and_applying_the_checkpointing_again(monk
         wrapped(x).sum().backward()
     remove_activation_checkpointing(wrapped)
     apply_activation_checkpointing(wrapped, {"modules": ["0"], "mode": "selective"})
-    made = _keeps_counted(monkeypatch)
+    made = keep_expensive_counted(monkeypatch)
     wrapped(x).sum().backward()
     assert _verdicts(wrapped) == [False] and not made
 
