@@ -24,8 +24,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -289,6 +290,43 @@ BATCH_NORM_OPS = SimpleNamespace(
     batch_statistics=_ATEN._native_batch_norm_legit.no_stats,
     in_place=_ATEN._native_batch_norm_legit.default,
 )
+
+
+def differentiated_by_decomposition(op: Any) -> bool:
+    """Whether AOTAutograd's tracing, which runs under the Python dispatcher, differentiates the operator overload
+    ``op`` through a Python decomposition of it instead of by its own derivative formula (the upsampling ops, batch
+    norm): the traced backward then computes what the plain step's does by other ops, in another order (unless
+    traced under :func:`differentiated_by_formula`).
+
+    missing: a public name for an operator's Python kernels (``OpOverload.py_kernels``).
+    """
+    return any(key in op.py_kernels for key in _AUTOGRAD_KEYS)
+
+
+@contextlib.contextmanager
+def differentiated_by_formula(ops: Iterable[Any]) -> Iterator[None]:
+    """A context in which tracing differentiates the operator overloads ``ops`` by their own derivative formulas, as
+    the plain step does: the Python autograd and composite kernels of their packets are set aside, in this process,
+    and put back on leaving.
+
+    missing: a public way to keep an operator whole in AOTAutograd's trace (``OpOverload.py_kernels`` and its
+    dispatch cache).
+    """
+    keys = (*_AUTOGRAD_KEYS, torch._C.DispatchKey.CompositeImplicitAutograd)
+    overloads = {getattr(op.overloadpacket, name) for op in ops for name in op.overloadpacket.overloads()}
+    aside = [(op, key, op.py_kernels.pop(key)) for op in overloads for key in keys if key in op.py_kernels]
+    for op in overloads:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, key, kernel in aside:
+            op.py_kernels[key] = kernel
+        for op in overloads:
+            op._dispatch_cache.clear()
+
+
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.AutogradCPU, torch._C.DispatchKey.AutogradCUDA)
 
 
 def is_aten_op(target: Any) -> bool:

@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -43,9 +44,13 @@ import torch
 from torch import nn
 
 from lightning_memopt.checkpointing.selective_partition import selective_partition
+from lightning_memopt.checkpointing.selective_uses import UseRouter, repeated_positions, stand_ins_by_use
 from lightning_memopt.memory.autocast_lists import active_lists
 from lightning_memopt.private_api import (
     FakeTensorMode,
+    TorchDispatchMode,
+    differentiated_by_decomposition,
+    differentiated_by_formula,
     disable_current_modes,
     has_hooks,
     is_batch_norm,
@@ -53,6 +58,8 @@ from lightning_memopt.private_api import (
     tensor_slots,
     tensor_version,
     trace_forward_and_backward,
+    tree_flatten,
+    tree_unflatten,
 )
 
 log = logging.getLogger(__name__)
@@ -60,6 +67,7 @@ log = logging.getLogger(__name__)
 GRAPHS_KEPT = 256  # traced graphs kept in this process (the least recently used go first)
 _PRIMITIVES = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _UNTRACEABLE = object()  # a key whose trace failed: the dispatch-mode way, without trying again
+_TENSOR = object()  # where a call's tensor goes among its other arguments
 
 
 class _Graphs:
@@ -104,22 +112,26 @@ class SelectiveGraph:
         self.names: list[str] = []  # of its parameters, then its buffers
         self.slots: list[tuple[dict[str, Any], str]] = []  # where each of those lives: (a module's dict, key)
 
-    def run(self, forward: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> Any:
-        """``forward(*inputs)`` by the block's traced graphs, recomputing its cheap ops in backward; ``None`` where
-        the block cannot be traced (then nothing ran)."""
+    def run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+        """``forward(*args, **kwargs)`` by the block's traced graphs, recomputing its cheap ops in backward; ``None``
+        where the block cannot be traced (then nothing ran)."""
         if not self.read:
             self._read()
         if self.structure is None or any(map(has_hooks, self.modules[1:])):
             return None
+        call = _call_form(args, kwargs)
+        if call is None:
+            return None
+        inputs, form = call
         tensors = (*(members[name] for members, name in self.slots), *inputs)
         lists = active_lists()
         training = tuple(module.training for module in self.modules)
-        key = (self.structure, training, _metas(tensors), _autocast(tensors), lists and lists.dtype)
+        key = (self.structure, training, _metas(tensors), _autocast(tensors), lists and lists.dtype, form)
         graph = GRAPHS.get(key)
         if graph is None:
-            graph = _trace(self.module, forward, self.names, tensors)
+            graph = _trace(self.module, forward, self.names, tensors, form)
             GRAPHS.put(key, graph)
-        return None if graph is _UNTRACEABLE else graph(*tensors)
+        return None if graph is _UNTRACEABLE else graph(tensors)
 
     def _read(self) -> None:
         self.read = True
@@ -136,40 +148,125 @@ class SelectiveGraph:
 _STRUCTURES: dict[tuple, int] = {}  # each block structure seen in this process, numbered
 
 
-def _trace(module: nn.Module, forward: Callable[..., Any], names: list[str], tensors: tuple) -> Any:
-    """The traced graphs of ``forward`` on tensors shaped as ``tensors`` (state first), or :data:`_UNTRACEABLE`."""
+class _Traced:
+    """A block's traced graphs, and which of its tensors they take once more per extra use (see
+    :mod:`~lightning_memopt.checkpointing.selective_uses`)."""
+
+    def __init__(self, graph: Callable[..., Any], repeats: list[int]) -> None:
+        self.graph = graph
+        self.repeats = repeats
+
+    def __call__(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        if not self.repeats:
+            return self.graph(*tensors)
+        return self.graph(*tensors, *(tensors[position] for position in self.repeats))
+
+
+def _trace(module: nn.Module, forward: Callable[..., Any], names: list[str], tensors: tuple, form: Any) -> Any:
+    """The traced graphs of ``forward`` on tensors shaped as ``tensors`` (state first) and called as ``form`` says, or
+    :data:`_UNTRACEABLE`."""
     source: list[Any] = [module, forward]  # what the trace reads, let go once traced
+    count = len(tensors)
+    repeats: list[int] = []  # known from the first run, before the trace
 
     def block(*flat: torch.Tensor) -> Any:
         traced_module, traced_forward = source
-        with reparametrized(traced_module, dict(zip(names, flat[: len(names)], strict=True))):
-            return traced_forward(*flat[len(names) :])
+        routes = stand_ins_by_use(flat, count, repeats)
+        routed = UseRouter(routes) if routes else contextlib.nullcontext()
+        with reparametrized(traced_module, dict(zip(names, flat[: len(names)], strict=True))), routed:
+            args, kwargs = _rebuild(form, flat[len(names) : count])
+            return traced_forward(*args, **kwargs)
 
     tracked = _batch_norm_counters(module)
     counters = {f"primals_{i + 1}" for i, name in enumerate(names) if name in tracked}
-    partition = functools.partial(selective_partition, counters=counters)
+    traced_ops: set[Any] = set()
+
+    def inspect(joint: Any) -> None:
+        traced_ops.update(node.target for node in joint.nodes)
+
+    partition = functools.partial(selective_partition, counters=counters, inspect=inspect)
     graph = trace_forward_and_backward(block, partition, len(names))
     try:
         with disable_current_modes():  # what watches the step sees the graphs run, not their tracing
-            stand_ins = _fake_copies(tensors)
+            fake_mode = FakeTensorMode()
+            stand_ins = _fake_copies(fake_mode, tensors)
+            whole, uses = _first_run(block, stand_ins, fake_mode)
+            repeats += repeated_positions(uses)
+            extra = _fake_extras(fake_mode, [stand_ins[position] for position in repeats])
             versions = [tensor_version(t) for t in stand_ins]
-            with torch.enable_grad():
-                graph(*stand_ins)
+            # tensors the forward makes are fake too; ops the plain step differentiates by formula, so does the trace
+            with torch.enable_grad(), fake_mode, differentiated_by_formula(whole):
+                graph(*stand_ins, *extra)
     except Exception as error:  # noqa: BLE001 - whatever stops the tracer, the dispatch-mode way serves
-        log.info(
-            "selective checkpointing of %s by dispatch mode: it cannot be traced (%s)", type(module).__name__, error
-        )
-        return _UNTRACEABLE
+        return _refused(module, f"it cannot be traced ({error})")
     finally:
         source.clear()
     changed = {name for name, t, v in zip(names, stand_ins, versions, strict=False) if tensor_version(t) != v}
     others = sorted(changed - _batch_norm_statistics(module) - tracked)
     if others:  # its recomputation could read them changed
-        log.info(
-            "selective checkpointing of %s by dispatch mode: its forward changes %s", type(module).__name__, others
-        )
-        return _UNTRACEABLE
-    return graph
+        return _refused(module, f"its forward changes {others}")
+    if not whole <= traced_ops:
+        return _refused(module, f"the trace differentiates {sorted(map(str, whole - traced_ops))} otherwise")
+    return _Traced(graph, repeats)
+
+
+class _OpsRun(TorchDispatchMode):
+    """The operators a forward runs, as the plain step dispatches them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[Any] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _first_run(
+    block: Callable[..., Any], stand_ins: tuple[torch.Tensor, ...], fake_mode: FakeTensorMode
+) -> tuple[set[Any], dict[int, int]]:
+    """``block`` run once on ``stand_ins`` as the plain step runs it: the operators a trace would differentiate
+    through a Python decomposition (an upsampling's backward by index ops, summing in another order; batch norm's
+    aside: its traced graph is checked bitwise against the plain step's on the CPU), and how often it reads each
+    tensor that needs gradients, by position."""
+    needing = {id(t): position for position, t in enumerate(stand_ins) if t.requires_grad}
+    with torch.enable_grad(), fake_mode, _OpsRun() as run, UseRouter(dict.fromkeys(needing)) as router:
+        block(*stand_ins)
+    decomposed = {op for op in run.ops - _BATCH_NORMS if differentiated_by_decomposition(op)}
+    return decomposed, {position: router.uses[key] for key, position in needing.items()}
+
+
+_BATCH_NORMS = {torch.ops.aten.native_batch_norm.default, torch.ops.aten.cudnn_batch_norm.default}
+
+
+def _refused(module: nn.Module, why: str) -> Any:
+    log.info("selective checkpointing of %s by dispatch mode: %s", type(module).__name__, why)
+    return _UNTRACEABLE
+
+
+def _call_form(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[tuple[torch.Tensor, ...], Any] | None:
+    """The tensors of a call, and the rest of it (``None`` for a call of tensors alone); ``None`` where the rest cannot
+    stand in a key, or where one tensor needing gradients is passed twice (its gradients would sum otherwise)."""
+    if not kwargs and all(isinstance(arg, torch.Tensor) for arg in args):
+        tensors, form = args, None
+    else:
+        leaves, spec = tree_flatten((args, kwargs or {}))
+        tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+        constants = tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
+        if not all(map(_comparable, constants)):
+            return None
+        form = (spec, constants)
+    needing = [id(tensor) for tensor in tensors if tensor.requires_grad]
+    return (tensors, form) if len(set(needing)) == len(needing) else None
+
+
+def _rebuild(form: Any, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The ``(args, kwargs)`` of a call of ``form`` (see :func:`_call_form`) with these tensors."""
+    if form is None:
+        return tensors, {}
+    spec, constants = form
+    given = iter(tensors)
+    return tree_unflatten([next(given) if c is _TENSOR else c for c in constants], spec)
 
 
 def _structure(module: nn.Module) -> tuple | None:
@@ -193,7 +290,7 @@ def _structure(module: nn.Module) -> tuple | None:
 def _comparable(value: Any) -> bool:
     """Whether ``value`` can stand in a key: plain values, frozen dataclasses and enums of them, and functions and
     classes (by identity)."""
-    if isinstance(value, (*_PRIMITIVES, enum.Enum)):
+    if value is _TENSOR or isinstance(value, (*_PRIMITIVES, enum.Enum)):
         return True
     if isinstance(value, (tuple, list)):
         return all(map(_comparable, value))
@@ -215,10 +312,17 @@ def _autocast(tensors: tuple[torch.Tensor, ...]) -> tuple:
     return tuple((kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in kinds)
 
 
-def _fake_copies(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def _fake_extras(fake_mode: FakeTensorMode, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A stand-in of its own beside each of ``tensors`` (which are ``fake_mode``'s), shaped and strided alike."""
+    with fake_mode:
+        return [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_() for t in tensors
+        ]
+
+
+def _fake_copies(fake_mode: FakeTensorMode, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """Stand-ins to trace on, in a fake mode of their own (gradient flags kept): the trace keeps what it ran on, and
     nothing of the step's own, fake or real, may stay alive by it."""
-    fake_mode = FakeTensorMode()
     return tuple(fake_mode.from_tensor(t.detach()).requires_grad_(t.requires_grad) for t in tensors)
 
 

@@ -87,11 +87,11 @@ class CheckpointedForward:
                 return lean(*args, **kwargs)
         # a profile planning for CUDA on the CPU: the recomputation follows the autocast lists the forward did
         forward = under_lists_of_forward(self._forward)
+        if not compiling and self.mode == "selective" and self.previous is None:
+            output = self.graph.run(forward, args, kwargs)
+            if output is not None:
+                return output
         if not compiling and reaches_one_input(args, kwargs):
-            if self.mode == "selective" and self.previous is None and not kwargs:
-                output = self.graph.run(forward, args)
-                if output is not None:
-                    return output
             selective = self.mode == "selective" and self.state.selective.pays is not False
             return recompute_in_backward(self.state, forward, args, kwargs, selective=selective)
         options: dict[str, Any] = {"use_reentrant": False}
