@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from types import SimpleNamespace
@@ -292,15 +293,25 @@ BATCH_NORM_OPS = SimpleNamespace(
 )
 
 
-def differentiated_by_decomposition(op: Any) -> bool:
-    """Whether AOTAutograd's tracing, which runs under the Python dispatcher, differentiates the operator overload
-    ``op`` through a Python decomposition of it instead of by its own derivative formula (the upsampling ops, batch
-    norm): the traced backward then computes what the plain step's does by other ops, in another order (unless
-    traced under :func:`differentiated_by_formula`).
+@functools.cache
+def decomposed_derivatives() -> tuple[Any, ...]:
+    """The operator overloads that AOTAutograd's tracing, which runs under the Python dispatcher, differentiates
+    through a Python decomposition instead of by their own derivative formulas (the upsampling ops, dropout, the
+    recurrent layers, batch norm): the traced backward then computes what the plain step's does by other ops, in
+    another order, unless traced under :func:`differentiated_by_formula`.
 
-    missing: a public name for an operator's Python kernels (``OpOverload.py_kernels``).
+    missing: a public name for an operator's Python kernels (``OpOverload.py_kernels``) and for the registered
+    operators (``torch._C._dispatch_get_all_op_names``).
     """
-    return any(key in op.py_kernels for key in _AUTOGRAD_KEYS)
+    found = []
+    for name in torch._C._dispatch_get_all_op_names():
+        namespace, _, qualified = name.partition("::")
+        packet_name, _, overload = qualified.partition(".")
+        packet = getattr(getattr(torch.ops, namespace, None), packet_name, None) if namespace == "aten" else None
+        op = getattr(packet, overload or "default", None) if packet is not None else None
+        if op is not None and any(key in op.py_kernels for key in _AUTOGRAD_KEYS):
+            found.append(op)
+    return tuple(found)
 
 
 @contextlib.contextmanager

@@ -48,8 +48,7 @@ from lightning_memopt.checkpointing.selective_uses import UseRouter, repeated_po
 from lightning_memopt.memory.autocast_lists import active_lists
 from lightning_memopt.private_api import (
     FakeTensorMode,
-    TorchDispatchMode,
-    differentiated_by_decomposition,
+    decomposed_derivatives,
     differentiated_by_formula,
     disable_current_modes,
     has_hooks,
@@ -179,24 +178,20 @@ def _trace(module: nn.Module, forward: Callable[..., Any], names: list[str], ten
 
     tracked = _batch_norm_counters(module)
     counters = {f"primals_{i + 1}" for i, name in enumerate(names) if name in tracked}
-    traced_ops: set[Any] = set()
-
-    def inspect(joint: Any) -> None:
-        traced_ops.update(node.target for node in joint.nodes)
-
-    partition = functools.partial(selective_partition, counters=counters, inspect=inspect)
+    partition = functools.partial(selective_partition, counters=counters)
     graph = trace_forward_and_backward(block, partition, len(names))
     try:
         with disable_current_modes():  # what watches the step sees the graphs run, not their tracing
-            fake_mode = FakeTensorMode()
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # the graphs' constants are real tensors
             stand_ins = _fake_copies(fake_mode, tensors)
-            whole, uses = _first_run(block, stand_ins, fake_mode)
+            uses = _first_run(block, stand_ins, fake_mode)
             repeats += repeated_positions(uses)
             extra = _fake_extras(fake_mode, [stand_ins[position] for position in repeats])
             versions = [tensor_version(t) for t in stand_ins]
             # tensors the forward makes are fake too; ops the plain step differentiates by formula, so does the trace
-            with torch.enable_grad(), fake_mode, differentiated_by_formula(whole):
-                graph(*stand_ins, *extra)
+            with torch.enable_grad(), fake_mode, differentiated_by_formula(_by_their_formulas()):
+                output = graph(*stand_ins, *extra)
+            _compile_backward(output)
     except Exception as error:  # noqa: BLE001 - whatever stops the tracer, the dispatch-mode way serves
         return _refused(module, f"it cannot be traced ({error})")
     finally:
@@ -205,38 +200,34 @@ def _trace(module: nn.Module, forward: Callable[..., Any], names: list[str], ten
     others = sorted(changed - _batch_norm_statistics(module) - tracked)
     if others:  # its recomputation could read them changed
         return _refused(module, f"its forward changes {others}")
-    if not whole <= traced_ops:
-        return _refused(module, f"the trace differentiates {sorted(map(str, whole - traced_ops))} otherwise")
     return _Traced(graph, repeats)
 
 
-class _OpsRun(TorchDispatchMode):
-    """The operators a forward runs, as the plain step dispatches them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: set[Any] = set()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops.add(func)
-        return func(*args, **(kwargs or {}))
+def _compile_backward(output: Any) -> None:
+    """Run the traced backward once on fake gradients, outside any mode: AOTAutograd builds it on its first call, by
+    copying the graph, whose constants (real tensors) a fake mode cannot copy; nor should the step's modes see it."""
+    outs = [leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.zeros_like(out) for out in outs])
 
 
 def _first_run(
     block: Callable[..., Any], stand_ins: tuple[torch.Tensor, ...], fake_mode: FakeTensorMode
-) -> tuple[set[Any], dict[int, int]]:
-    """``block`` run once on ``stand_ins`` as the plain step runs it: the operators a trace would differentiate
-    through a Python decomposition (an upsampling's backward by index ops, summing in another order; batch norm's
-    aside: its traced graph is checked bitwise against the plain step's on the CPU), and how often it reads each
-    tensor that needs gradients, by position."""
+) -> dict[int, int]:
+    """``block`` run once on ``stand_ins``, as the plain step runs it: how often it reads each tensor that needs
+    gradients, by position."""
     needing = {id(t): position for position, t in enumerate(stand_ins) if t.requires_grad}
-    with torch.enable_grad(), fake_mode, _OpsRun() as run, UseRouter(dict.fromkeys(needing)) as router:
+    with torch.enable_grad(), fake_mode, UseRouter(dict.fromkeys(needing)) as router:
         block(*stand_ins)
-    decomposed = {op for op in run.ops - _BATCH_NORMS if differentiated_by_decomposition(op)}
-    return decomposed, {position: router.uses[key] for key, position in needing.items()}
+    return {position: router.uses[key] for key, position in needing.items()}
 
 
-_BATCH_NORMS = {torch.ops.aten.native_batch_norm.default, torch.ops.aten.cudnn_batch_norm.default}
+def _by_their_formulas() -> list[Any]:
+    """The operators a trace differentiates by their own formulas, as the plain step does: those PyTorch's tracing
+    would decompose, batch norm aside (its traced graph runs the functional batch norm that the partition rewrites,
+    bitwise the plain step's on the CPU)."""
+    batch_norms = (torch.ops.aten.native_batch_norm, torch.ops.aten.cudnn_batch_norm)
+    return [op for op in decomposed_derivatives() if op.overloadpacket not in batch_norms]
 
 
 def _refused(module: nn.Module, why: str) -> Any:

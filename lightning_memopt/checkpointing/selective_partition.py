@@ -22,7 +22,6 @@ Example::
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,14 +37,9 @@ _BATCH_NORM_BACKWARD = torch.ops.aten.native_batch_norm_backward.default
 _ADD, _ADD_IN_PLACE = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
 
 
-def selective_partition(
-    joint: Any, inputs: Any, counters: set[str], inspect: Callable[[Any], None] | None = None, **options: Any
-) -> tuple[Any, Any]:
+def selective_partition(joint: Any, inputs: Any, counters: set[str], **options: Any) -> tuple[Any, Any]:
     """Split the joint graph: the outputs of expensive and random ops saved, every other forward op recomputed in
-    backward; batch norm recomputed from its batch's statistics, its forward run once. ``inspect`` (if given) is
-    called with the joint graph as traced."""
-    if inspect is not None:
-        inspect(joint.graph)
+    backward; batch norm recomputed from its batch's statistics, its forward run once."""
     _recompute_batch_norm_from_batch(joint.graph)
     backward = backward_nodes(joint.graph)
     for node in joint.graph.nodes:

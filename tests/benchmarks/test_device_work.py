@@ -39,10 +39,10 @@ def test_selective_recomputation_keeps_the_flops_of_none_and_launches_no_more_th
     assert selective.kernels <= full.kernels
 
 
-@pytest.mark.parametrize("name", [name for name in CASES if "cotracker" not in name])
+@pytest.mark.parametrize("name", NAMES)
 def test_selective_recomputation_calls_no_python_per_op(counted, name):
-    """Blocks of one tensor input run as traced graphs: no dispatch mode, no saved-tensor hook. (CoTracker's blocks
-    take several inputs that need gradients and go through torch.utils.checkpoint: its row in the CSV says so.)"""
+    """Every preset's blocks run as traced graphs, CoTracker's of several inputs and keywords included: no dispatch
+    mode, no saved-tensor hook."""
     selective = counted(name, "selective")
     assert selective.python_calls <= device_work.SELECTIVE_CALLS_LIMIT * selective.wrapped
 

@@ -173,3 +173,140 @@ def test_what_a_trace_cannot_follow_goes_the_dispatch_mode_way_with_the_plain_st
     assert all(torch.equal(a, b) for a, b in zip(expected, found, strict=True))
     if make in (_Gated, _Counting):  # tried and refused, said once per structure and input
         assert "by dispatch mode" in caplog.text
+
+
+class _Reread(nn.Module):
+    """Reads its input and its parameter several times; called twice a step on an input read after it too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x).tanh() * self.scale + x.sin() * self.scale.cos()
+        return self.linear(y).sigmoid() + x * 0.3
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Reread()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.block(x)
+        return self.block(first) * x.exp() + first.square()  # x and first read after the block
+
+
+def _traced_entries(monkeypatch) -> graphs._Graphs:
+    fresh = graphs._Graphs(graphs.GRAPHS_KEPT)
+    monkeypatch.setattr(graphs, "GRAPHS", fresh)
+    return fresh
+
+
+def _all_traced(entries: graphs._Graphs) -> bool:
+    return bool(entries.entries) and all(entry is not graphs._UNTRACEABLE for entry in entries.entries.values())
+
+
+def test_a_tensor_read_several_times_inside_and_after_the_block_gets_the_plain_steps_gradient_bitwise(monkeypatch):
+    """Autograd adds each reading op's gradient in turn, the latest first: the graph takes such a tensor once per
+    use, latest first, instead of handing back one sum (which rounds otherwise: checked below)."""
+    entries = _traced_entries(monkeypatch)
+    torch.manual_seed(0)
+    model = _Twice()
+    wrapped = copy.deepcopy(model)
+    apply_activation_checkpointing(wrapped, {"modules": ["block"], "mode": "selective"})
+    x = torch.randn(16, 8)
+    expected, found = _steps(model, x), _steps(wrapped, x)
+    assert _all_traced(entries)
+    assert all(entry.repeats for entry in entries.entries.values())  # the input, the linear and the scale, again
+    assert all(torch.equal(a, b) for a, b in zip(expected, found, strict=True))
+    monkeypatch.setattr(graphs, "repeated_positions", lambda uses: [])  # one summed gradient per tensor
+    summed = copy.deepcopy(model)
+    apply_activation_checkpointing(summed, {"modules": ["block"], "mode": "selective"})
+    entries.entries.clear()
+    assert not all(torch.equal(a, b) for a, b in zip(expected, _steps(summed, x), strict=True))
+
+
+class _CrossAttention(nn.Module):
+    """A block of two inputs and keyword arguments: a stream and a context, a mask or none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.key_value = nn.Linear(8, 8), nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x, context, key_mask=None, scale=1.0):
+        key, value = self.key_value(self.norm(context)).chunk(2, dim=-1)
+        scores = self.query(x) @ key.transpose(-2, -1) * scale
+        if key_mask is not None:
+            scores = scores.masked_fill(~key_mask[:, None, :], float("-inf"))
+        return x + scores.softmax(-1) @ value
+
+
+class _Attending(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = _CrossAttention(), _CrossAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        context = x.flip(1).tanh()
+        mask = torch.arange(x.shape[1]) % 3 != 0
+        y = self.first(x, context, key_mask=mask.expand(x.shape[0], -1), scale=0.5)
+        return self.second(y, context) + context.mean()  # the context read by both blocks and after them
+
+
+def test_a_block_of_several_inputs_and_keywords_is_traced_and_matches_the_plain_step(monkeypatch):
+    entries = _traced_entries(monkeypatch)
+    torch.manual_seed(0)
+    model = _Attending()
+    wrapped = copy.deepcopy(model)
+    apply_activation_checkpointing(wrapped, {"modules": ["first", "second"], "mode": "selective"})
+    x = torch.randn(2, 6, 8)
+    expected, found = _steps(model, x), _steps(wrapped, x)
+    assert _all_traced(entries) and len(entries.entries) == 2  # with a mask and a scale, and without
+    assert all(torch.equal(a, b) for a, b in zip(expected, found, strict=True))
+
+
+class _Upsampling(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.interpolate(self.conv(x).relu(), scale_factor=2, mode="bilinear", align_corners=True)
+        return nn.functional.interpolate(y, size=x.shape[-2:], mode="nearest") + x
+
+
+def test_an_upsampling_is_traced_whole_and_differentiated_by_its_formula(monkeypatch):
+    """Tracing runs under the Python dispatcher, whose upsampling decompositions sum their backward otherwise: the
+    trace keeps the op whole (one kernel, as the plain step) and puts the decompositions back afterwards."""
+    entries = _traced_entries(monkeypatch)
+    kernels_before = dict(torch.ops.aten.upsample_bilinear2d.default.py_kernels)
+    torch.manual_seed(0)
+    model = nn.Sequential(_Upsampling(), _Upsampling())
+    wrapped = _selective(model)
+    x = torch.randn(2, 3, 8, 8)
+    expected, found = _steps(model, x), _steps(wrapped, x)
+    assert _all_traced(entries)
+    assert all(torch.equal(a, b) for a, b in zip(expected, found, strict=True))
+    assert torch.ops.aten.upsample_bilinear2d.default.py_kernels == kernels_before
+    with _OpCounter() as seen:
+        wrapped(x.clone().requires_grad_()).square().mean().backward()
+    assert seen.counts["upsample_bilinear2d"] == 2 and seen.counts["upsample_bilinear2d_backward"] == 2
+    assert seen.counts["_unsafe_index"] == 0
+
+
+def test_one_tensor_passed_twice_goes_the_dispatch_mode_way_with_the_plain_steps_gradients(monkeypatch):
+    entries = _traced_entries(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.block = _CrossAttention()
+    model.forward = lambda x: model.block(x, x)
+    wrapped = copy.deepcopy(model)
+    wrapped.forward = lambda x: wrapped.block(x, x)
+    apply_activation_checkpointing(wrapped, {"modules": ["block"], "mode": "selective"})
+    x = torch.randn(2, 6, 8)
+    expected, found = _steps(model, x), _steps(wrapped, x)
+    assert not entries.entries  # never traced
+    assert all(torch.equal(a, b) for a, b in zip(expected, found, strict=True))
