@@ -9,14 +9,17 @@ graph in two (:mod:`~lightning_memopt.checkpointing.selective_partition`): a for
 needs, a backward that recomputes the cheap ops and computes the gradients. Both run as plain aten calls inside one
 autograd node: no dispatch mode, no saved-tensor hook. Batch norm updates its running statistics in place in the
 forward and is recomputed from the batch's statistics. The outputs, gradients and running statistics equal the
-unchecked block's bitwise on the CPU where the output's gradient is a dense tensor (tested).
+unchecked block's bitwise on the CPU where the output's gradient is a dense tensor (tested): a tensor read more than
+once takes one stand-in per use (:mod:`~lightning_memopt.checkpointing.selective_uses`), and the ops whose
+derivative tracing would take from a Python decomposition (upsampling, dropout) are traced whole.
 
 One trace serves every block of one structure (class, the attributes of the modules inside, the shapes of
-parameters, buffers and inputs, autocast): parameters and buffers are the graph's inputs. What a trace cannot
-follow is not traced and goes the dispatch-mode way instead (:meth:`SelectiveGraph.run` returns ``None``):
-hooks or instance forwards on modules inside the block, tensors kept as plain attributes, attributes that no key
-can compare, a buffer changed in the forward other than batch norm's statistics, or control flow on tensor values.
-A forward's Python side effects happen once, when it is traced.
+parameters, buffers and input tensors, the call's other arguments, autocast): parameters and buffers are the
+graph's inputs. What a trace cannot follow is not traced and goes the dispatch-mode way instead
+(:meth:`SelectiveGraph.run` returns ``None``): hooks or instance forwards on modules inside the block, tensors kept
+as plain attributes, attributes or arguments that no key can compare, one tensor passed twice, a buffer changed in
+the forward other than batch norm's statistics, or control flow on tensor values. A forward's Python side effects
+happen when it is traced (twice: once to count its reads).
 
 Example::
 
@@ -32,8 +35,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import functools
 import logging
 from collections import OrderedDict
@@ -43,6 +44,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memopt.checkpointing.selective_key import (
+    autocast_state,
+    block_structure,
+    call_form,
+    rebuild_call,
+    tensor_metas,
+)
 from lightning_memopt.checkpointing.selective_partition import selective_partition
 from lightning_memopt.checkpointing.selective_uses import UseRouter, repeated_positions, stand_ins_by_use
 from lightning_memopt.memory.autocast_lists import active_lists
@@ -58,15 +66,12 @@ from lightning_memopt.private_api import (
     tensor_version,
     trace_forward_and_backward,
     tree_flatten,
-    tree_unflatten,
 )
 
 log = logging.getLogger(__name__)
 
 GRAPHS_KEPT = 256  # traced graphs kept in this process (the least recently used go first)
-_PRIMITIVES = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _UNTRACEABLE = object()  # a key whose trace failed: the dispatch-mode way, without trying again
-_TENSOR = object()  # where a call's tensor goes among its other arguments
 
 
 class _Graphs:
@@ -118,14 +123,14 @@ class SelectiveGraph:
             self._read()
         if self.structure is None or any(map(has_hooks, self.modules[1:])):
             return None
-        call = _call_form(args, kwargs)
+        call = call_form(args, kwargs)
         if call is None:
             return None
         inputs, form = call
         tensors = (*(members[name] for members, name in self.slots), *inputs)
         lists = active_lists()
         training = tuple(module.training for module in self.modules)
-        key = (self.structure, training, _metas(tensors), _autocast(tensors), lists and lists.dtype, form)
+        key = (self.structure, training, tensor_metas(tensors), autocast_state(tensors), lists and lists.dtype, form)
         graph = GRAPHS.get(key)
         if graph is None:
             graph = _trace(self.module, forward, self.names, tensors, form)
@@ -134,7 +139,7 @@ class SelectiveGraph:
 
     def _read(self) -> None:
         self.read = True
-        structure = _structure(self.module)
+        structure = block_structure(self.module)
         if structure is None:
             return
         self.structure = _STRUCTURES.setdefault(structure, len(_STRUCTURES))
@@ -173,7 +178,7 @@ def _trace(module: nn.Module, forward: Callable[..., Any], names: list[str], ten
         routes = stand_ins_by_use(flat, count, repeats)
         routed = UseRouter(routes) if routes else contextlib.nullcontext()
         with reparametrized(traced_module, dict(zip(names, flat[: len(names)], strict=True))), routed:
-            args, kwargs = _rebuild(form, flat[len(names) : count])
+            args, kwargs = rebuild_call(form, flat[len(names) : count])
             return traced_forward(*args, **kwargs)
 
     tracked = _batch_norm_counters(module)
@@ -233,74 +238,6 @@ def _by_their_formulas() -> list[Any]:
 def _refused(module: nn.Module, why: str) -> Any:
     log.info("selective checkpointing of %s by dispatch mode: %s", type(module).__name__, why)
     return _UNTRACEABLE
-
-
-def _call_form(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[tuple[torch.Tensor, ...], Any] | None:
-    """The tensors of a call, and the rest of it (``None`` for a call of tensors alone); ``None`` where the rest cannot
-    stand in a key, or where one tensor needing gradients is passed twice (its gradients would sum otherwise)."""
-    if not kwargs and all(isinstance(arg, torch.Tensor) for arg in args):
-        tensors, form = args, None
-    else:
-        leaves, spec = tree_flatten((args, kwargs or {}))
-        tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
-        constants = tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
-        if not all(map(_comparable, constants)):
-            return None
-        form = (spec, constants)
-    needing = [id(tensor) for tensor in tensors if tensor.requires_grad]
-    return (tensors, form) if len(set(needing)) == len(needing) else None
-
-
-def _rebuild(form: Any, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The ``(args, kwargs)`` of a call of ``form`` (see :func:`_call_form`) with these tensors."""
-    if form is None:
-        return tensors, {}
-    spec, constants = form
-    given = iter(tensors)
-    return tree_unflatten([next(given) if c is _TENSOR else c for c in constants], spec)
-
-
-def _structure(module: nn.Module) -> tuple | None:
-    """What a traced graph of ``module`` depends on besides tensor shapes and training flags: each module's class
-    and plain attributes; ``None`` where something inside cannot be traced or compared."""
-    parts: list[Any] = []
-    for name, inner in module.named_modules():
-        attributes = []
-        for attribute, value in vars(inner).items():
-            if attribute.startswith("_") or attribute == "training" or (inner is module and attribute == "forward"):
-                continue  # the block's own instance forward is the checkpointing's
-            if isinstance(value, torch.Tensor) or attribute == "forward":
-                return None  # a tensor the trace would hold as a constant; a forward patched on a module inside
-            if not _comparable(value):
-                return None
-            attributes.append((attribute, _hashable(value)))
-        parts.append((name, type(inner), tuple(attributes)))
-    return tuple(parts)
-
-
-def _comparable(value: Any) -> bool:
-    """Whether ``value`` can stand in a key: plain values, frozen dataclasses and enums of them, and functions and
-    classes (by identity)."""
-    if value is _TENSOR or isinstance(value, (*_PRIMITIVES, enum.Enum)):
-        return True
-    if isinstance(value, (tuple, list)):
-        return all(map(_comparable, value))
-    if dataclasses.is_dataclass(value) and value.__dataclass_params__.frozen:
-        return all(_comparable(getattr(value, field.name)) for field in dataclasses.fields(value))
-    return callable(value) and getattr(value, "__module__", None) is not None
-
-
-def _hashable(value: Any) -> Any:
-    return tuple(map(_hashable, value)) if isinstance(value, (tuple, list)) else value
-
-
-def _metas(tensors: tuple[torch.Tensor, ...]) -> tuple:
-    return tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad, type(t)) for t in tensors)
-
-
-def _autocast(tensors: tuple[torch.Tensor, ...]) -> tuple:
-    kinds = sorted({t.device.type for t in tensors} | {"cpu"})
-    return tuple((kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in kinds)
 
 
 def _fake_extras(fake_mode: FakeTensorMode, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -13,9 +13,10 @@ once per block class. Profiles in fake mode time nothing and keep the mode as as
 prices each block's modes itself and never picks a selective block that costs more than full).
 
 The verdict is a module's, made once: a later change of precision, micro-batch size or input shape does not
-revisit it. Blocks that go through ``torch.utils.checkpoint`` instead (several inputs taking gradients, or
-under ``torch.compile``) keep their expensive ops as asked, with no verdict. On a GPU the saving is device
-time and the cost host time: exact where the host sets the step's pace, cautious where the device does.
+revisit it. Blocks that go through ``torch.utils.checkpoint`` instead (a block of several inputs taking
+gradients that no trace follows, or under ``torch.compile``) keep their expensive ops as asked, with no
+verdict. On a GPU the saving is device time and the cost host time: exact where the host sets the step's
+pace, cautious where the device does.
 
 Example::
 
