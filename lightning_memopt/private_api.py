@@ -340,6 +340,24 @@ def differentiated_by_formula(ops: Iterable[Any]) -> Iterator[None]:
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.AutogradCPU, torch._C.DispatchKey.AutogradCUDA)
 
 
+@contextlib.contextmanager
+def not_random(ops: Iterable[Any]) -> Iterator[None]:
+    """A context in which the operator overloads ``ops`` are not tagged ``nondeterministic_seeded``: the min-cut
+    partitioner recomputes them as plain ops (attention called with ``dropout_p=0`` draws nothing, yet is tagged).
+
+    missing: a per-call way to tell the partitioner an op draws nothing (the tags of ``OpOverload``).
+    """
+    seeded = torch.Tag.nondeterministic_seeded
+    untagged = [op for op in ops if seeded in op.tags]
+    for op in untagged:
+        op._tags = [tag for tag in op.tags if tag != seeded]
+    try:
+        yield
+    finally:
+        for op in untagged:
+            op._tags = [*op.tags, seeded]
+
+
 def is_aten_op(target: Any) -> bool:
     """Whether a graph node's ``target`` is an operator overload (``torch.ops.aten.mm.default``, say).
 

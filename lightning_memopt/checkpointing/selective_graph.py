@@ -1,25 +1,29 @@
-"""Selective recomputation without per-op Python: a block traced once into a forward and a backward graph.
+"""Recomputation without per-op Python: a block traced once into a forward and a backward graph.
 
 :class:`~lightning_memopt.checkpointing.selective.KeepExpensive` tells a block's expensive ops from its cheap ones
-by calling Python for every op, in the forward and again in the recomputation: on a host-bound step that costs
-more than the kept ops save. Here a block is traced once (AOTAutograd, on fake tensors) into the joint graph of
-its forward and backward aten ops; the outputs of :data:`~lightning_memopt.checkpointing.selective.SAVED_OPS` and
-of random ops are tagged to be saved, every other op to be recomputed, and the min-cut partitioner splits the
-graph in two (:mod:`~lightning_memopt.checkpointing.selective_partition`): a forward that returns what backward
-needs, a backward that recomputes the cheap ops and computes the gradients. Both run as plain aten calls inside one
-autograd node: no dispatch mode, no saved-tensor hook. Batch norm updates its running statistics in place in the
-forward and is recomputed from the batch's statistics. The outputs, gradients and running statistics equal the
-unchecked block's bitwise on the CPU where the output's gradient is a dense tensor (tested): a tensor read more than
-once takes one stand-in per use (:mod:`~lightning_memopt.checkpointing.selective_uses`), and the ops whose
-derivative tracing would take from a Python decomposition (upsampling, dropout) are traced whole.
+by calling Python for every op, in the forward and again in the recomputation: on a host-bound step that costs more
+than the kept ops save. Here a block is traced once (AOTAutograd, on fake tensors) into the joint graph of its
+forward and backward aten ops; the outputs of :data:`~lightning_memopt.checkpointing.selective.SAVED_OPS` and of
+random ops are tagged to be saved, every other op to be recomputed, and the min-cut partitioner splits the graph in
+two (:mod:`~lightning_memopt.checkpointing.selective_partition`): a forward that returns what backward needs, a
+backward that recomputes the cheap ops and computes the gradients. Both run as plain aten calls inside one autograd
+node: no dispatch mode, no saved-tensor hook. Full recomputation is traced alike, every forward op tagged to be
+recomputed: the forward saves the block's inputs alone, and backward recomputes only the ops it needs (not a
+transformer block's fc2 and the residual addition after it, whose outputs no gradient needs); a block that draws
+random numbers is recomputed eagerly instead (saving what it drew would keep more than its inputs). Batch norm
+updates its running statistics in place in the forward and is recomputed from the batch's statistics. The outputs,
+gradients and running statistics equal the unchecked block's bitwise on the CPU where the output's gradient is a
+dense tensor (tested): a tensor read more than once takes one stand-in per use
+(:mod:`~lightning_memopt.checkpointing.selective_uses`), and the ops whose derivative tracing would take from a
+Python decomposition (upsampling, dropout) are traced whole.
 
 One trace serves every block of one structure (class, the attributes of the modules inside, the shapes of
-parameters, buffers and input tensors, the call's other arguments, autocast): parameters and buffers are the
-graph's inputs. What a trace cannot follow is not traced and goes the dispatch-mode way instead
-(:meth:`SelectiveGraph.run` returns ``None``): hooks or instance forwards on modules inside the block, tensors kept
-as plain attributes, attributes or arguments that no key can compare, one tensor passed twice, a buffer changed in
-the forward other than batch norm's statistics, or control flow on tensor values. A forward's Python side effects
-happen when it is traced (twice: once to count its reads).
+parameters, buffers and input tensors, the call's other arguments, autocast): parameters and buffers are the graph's
+inputs. What a trace cannot follow is not traced and goes the way it went before (the dispatch mode for selective,
+the eager recomputation for full: :meth:`SelectiveGraph.run` returns ``None``): hooks or instance forwards on
+modules inside the block, tensors kept as plain attributes, attributes or arguments that no key can compare, one
+tensor passed twice, a buffer changed in the forward other than batch norm's statistics, or control flow on tensor
+values. A forward's Python side effects happen when it is traced (twice: once to count its reads).
 
 Example::
 
@@ -116,9 +120,16 @@ class SelectiveGraph:
         self.names: list[str] = []  # of its parameters, then its buffers
         self.slots: list[tuple[dict[str, Any], str]] = []  # where each of those lives: (a module's dict, key)
 
-    def run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
-        """``forward(*args, **kwargs)`` by the block's traced graphs, recomputing its cheap ops in backward; ``None``
-        where the block cannot be traced (then nothing ran)."""
+    def run(
+        self,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        mode: str = "selective",
+    ) -> Any:
+        """``forward(*args, **kwargs)`` by the block's traced graphs, recomputing in backward its cheap ops
+        (``mode="selective"``) or every op backward needs (``"full"``); ``None`` where the block cannot be traced
+        (then nothing ran)."""
         if not self.read:
             self._read()
         if self.structure is None or any(map(has_hooks, self.modules[1:])):
@@ -130,10 +141,18 @@ class SelectiveGraph:
         tensors = (*(members[name] for members, name in self.slots), *inputs)
         lists = active_lists()
         training = tuple(module.training for module in self.modules)
-        key = (self.structure, training, tensor_metas(tensors), autocast_state(tensors), lists and lists.dtype, form)
+        key = (
+            mode,
+            self.structure,
+            training,
+            tensor_metas(tensors),
+            autocast_state(tensors),
+            lists and lists.dtype,
+            form,
+        )
         graph = GRAPHS.get(key)
         if graph is None:
-            graph = _trace(self.module, forward, self.names, tensors, form)
+            graph = _trace(self.module, forward, self.names, tensors, form, mode)
             GRAPHS.put(key, graph)
         return None if graph is _UNTRACEABLE else graph(tensors)
 
@@ -166,9 +185,11 @@ class _Traced:
         return self.graph(*tensors, *(tensors[position] for position in self.repeats))
 
 
-def _trace(module: nn.Module, forward: Callable[..., Any], names: list[str], tensors: tuple, form: Any) -> Any:
-    """The traced graphs of ``forward`` on tensors shaped as ``tensors`` (state first) and called as ``form`` says, or
-    :data:`_UNTRACEABLE`."""
+def _trace(
+    module: nn.Module, forward: Callable[..., Any], names: list[str], tensors: tuple, form: Any, mode: str
+) -> Any:
+    """The traced graphs of ``forward`` on tensors shaped as ``tensors`` (state first) and called as ``form`` says,
+    partitioned for ``mode``, or :data:`_UNTRACEABLE`."""
     source: list[Any] = [module, forward]  # what the trace reads, let go once traced
     count = len(tensors)
     repeats: list[int] = []  # known from the first run, before the trace
@@ -183,7 +204,7 @@ def _trace(module: nn.Module, forward: Callable[..., Any], names: list[str], ten
 
     tracked = _batch_norm_counters(module)
     counters = {f"primals_{i + 1}" for i, name in enumerate(names) if name in tracked}
-    partition = functools.partial(selective_partition, counters=counters)
+    partition = functools.partial(selective_partition, counters=counters, mode=mode)
     graph = trace_forward_and_backward(block, partition, len(names))
     try:
         with disable_current_modes():  # what watches the step sees the graphs run, not their tracing
@@ -198,13 +219,13 @@ def _trace(module: nn.Module, forward: Callable[..., Any], names: list[str], ten
                 output = graph(*stand_ins, *extra)
             _compile_backward(output)
     except Exception as error:  # noqa: BLE001 - whatever stops the tracer, the dispatch-mode way serves
-        return _refused(module, f"it cannot be traced ({error})")
+        return _refused(module, mode, f"it cannot be traced ({error})")
     finally:
         source.clear()
     changed = {name for name, t, v in zip(names, stand_ins, versions, strict=False) if tensor_version(t) != v}
     others = sorted(changed - _batch_norm_statistics(module) - tracked)
     if others:  # its recomputation could read them changed
-        return _refused(module, f"its forward changes {others}")
+        return _refused(module, mode, f"its forward changes {others}")
     return _Traced(graph, repeats)
 
 
@@ -235,8 +256,9 @@ def _by_their_formulas() -> list[Any]:
     return [op for op in decomposed_derivatives() if op.overloadpacket not in batch_norms]
 
 
-def _refused(module: nn.Module, why: str) -> Any:
-    log.info("selective checkpointing of %s by dispatch mode: %s", type(module).__name__, why)
+def _refused(module: nn.Module, mode: str, why: str) -> Any:
+    way = "by dispatch mode" if mode == "selective" else "by eager recomputation"
+    log.info("%s checkpointing of %s %s: %s", mode, type(module).__name__, way, why)
     return _UNTRACEABLE
 
 

@@ -28,7 +28,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_memopt.checkpointing.selective import SAVED_OPS
-from lightning_memopt.private_api import BATCH_NORM_OPS, is_aten_op, min_cut_partition
+from lightning_memopt.private_api import BATCH_NORM_OPS, is_aten_op, min_cut_partition, not_random
 
 _BATCH_NORM = BATCH_NORM_OPS.training  # returns the new running statistics
 _BATCH_NORM_BATCH_STATISTICS = BATCH_NORM_OPS.batch_statistics  # reads none
@@ -37,23 +37,51 @@ _BATCH_NORM_BACKWARD = torch.ops.aten.native_batch_norm_backward.default
 _ADD, _ADD_IN_PLACE = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
 
 
-def selective_partition(joint: Any, inputs: Any, counters: set[str], **options: Any) -> tuple[Any, Any]:
-    """Split the joint graph: the outputs of expensive and random ops saved, every other forward op recomputed in
-    backward; batch norm recomputed from its batch's statistics, its forward run once."""
+class DrawsRandomNumbers(Exception):
+    """A block traced for full recomputation draws random numbers: its recomputation would save what it drew."""
+
+
+def selective_partition(
+    joint: Any, inputs: Any, counters: set[str], mode: str = "selective", **options: Any
+) -> tuple[Any, Any]:
+    """Split the joint graph for ``mode``: ``"selective"`` saves the outputs of expensive and random ops and recomputes
+    every other forward op in backward; ``"full"`` saves nothing but the block's inputs and recomputes, in backward,
+    the forward ops backward needs (not those after them). Batch norm is recomputed from its batch's statistics, its
+    forward run once.
+
+    Raises:
+        DrawsRandomNumbers: ``mode="full"`` and an op draws random numbers (attention given ``dropout_p=0`` draws
+            none).
+    """
     _recompute_batch_norm_from_batch(joint.graph)
     backward = backward_nodes(joint.graph)
+    drawless: set[Any] = set()  # ops tagged random that this graph calls without drawing
     for node in joint.graph.nodes:
         if node.op != "call_function" or node in backward:
             continue
         source = node.args[0] if node.target is operator.getitem else node
-        saved = source.target in SAVED_OPS or source.target is _BATCH_NORM or _random(source)
-        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+        if mode == "full":
+            if _random(source) and not _without_dropout(source, joint):
+                raise DrawsRandomNumbers(f"{source.target} draws random numbers")
+            drawless.update([source.target] if _random(source) else [])
+            saved = source.target is _BATCH_NORM
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.MUST_RECOMPUTE
+        else:
+            saved = source.target in SAVED_OPS or source.target is _BATCH_NORM or _random(source)
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
         node.meta["ac_graph_id"] = 1
     joint.recompile()
-    forward, backward = min_cut_partition(joint, inputs, **options)
+    with not_random(drawless):  # else the partition would save and restore the generator around them
+        forward, backward = min_cut_partition(joint, inputs, **options)
     _batch_norm_in_place_in_forward(forward.graph, counters)
     forward.recompile()
     return forward, backward
+
+
+def _without_dropout(node: Any, joint: Any) -> bool:
+    """Whether ``node`` calls an op whose only randomness is its dropout, with ``dropout_p=0`` (attention's)."""
+    arguments = node.normalized_arguments(joint, normalize_to_only_use_kwargs=True)
+    return arguments is not None and arguments.kwargs.get("dropout_p", None) == 0
 
 
 def _recompute_batch_norm_from_batch(graph: Any) -> None:

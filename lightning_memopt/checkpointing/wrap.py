@@ -87,8 +87,9 @@ class CheckpointedForward:
                 return lean(*args, **kwargs)
         # a profile planning for CUDA on the CPU: the recomputation follows the autocast lists the forward did
         forward = under_lists_of_forward(self._forward)
-        if not compiling and self.mode == "selective" and self.previous is None:
-            output = self.graph.run(forward, args, kwargs)
+        if not compiling and self.previous is None:
+            traced = "selective" if self.mode == "selective" else "full"  # lean without a lean path is full
+            output = self.graph.run(forward, args, kwargs, traced)
             if output is not None:
                 return output
         if not compiling and reaches_one_input(args, kwargs):

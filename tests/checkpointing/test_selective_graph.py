@@ -310,3 +310,59 @@ def test_one_tensor_passed_twice_goes_the_dispatch_mode_way_with_the_plain_steps
     expected, found = _steps(model, x), _steps(wrapped, x)
     assert not entries.entries  # never traced
     assert all(torch.equal(a, b) for a, b in zip(expected, found, strict=True))
+
+
+def _full(model: nn.Sequential) -> nn.Sequential:
+    wrapped = copy.deepcopy(model)
+    apply_activation_checkpointing(wrapped, {"modules": [str(i) for i in range(len(model))], "mode": "full"})
+    return wrapped
+
+
+@pytest.mark.parametrize("name", NARROW_MODELS + HELD_OUT_MODELS)
+def test_traced_full_recomputation_gives_the_plain_steps_values_bitwise(monkeypatch, name):
+    entries = _traced_entries(monkeypatch)
+    model, x = narrow_model(name, blocks=3)
+    model.train()
+    wrapped = _full(model)
+    expected, found = _steps(model, x), _steps(wrapped, x)
+    assert _all_traced(entries)
+    assert all(torch.equal(a, b) for a, b in zip(expected, found, strict=True))
+
+
+def test_full_recomputation_stops_at_the_last_op_backward_needs():
+    """A transformer block's backward needs its fc2's input, not its output: fc2 (and the residual add after it) is
+    not run again, nor is a residual block's last addition; everything before them is."""
+    for name, op, again in (("transformer", "addmm", 3), ("iresnet", "convolution", 2)):
+        model, x = narrow_model(name, blocks=2)
+        model.train()
+        wrapped = _full(model)
+        _steps(wrapped, x, steps=1)
+        counts = {}
+        for label, candidate in (("none", model), ("full", wrapped)):
+            with _OpCounter() as seen:
+                candidate(x.clone().requires_grad_()).square().mean().backward()
+            counts[label] = seen.counts
+        assert counts["full"][op] - counts["none"][op] == again * 2, name
+
+
+class _Dropping(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.linear(x).relu()) + x
+
+
+def test_a_block_drawing_random_numbers_is_recomputed_eagerly_under_full(monkeypatch, caplog):
+    """Saving what it drew would keep more than its inputs: the eager recomputation redraws it instead."""
+    entries = _traced_entries(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(_Dropping(), _Dropping())
+    wrapped, x = _full(model), torch.randn(4, 8)
+    with caplog.at_level(logging.INFO, logger=graphs.__name__):
+        expected, found = _steps(model, x), _steps(wrapped, x)
+    assert "by eager recomputation" in caplog.text
+    assert set(entries.entries.values()) == {graphs._UNTRACEABLE}
+    assert all(torch.equal(a, b) for a, b in zip(expected, found, strict=True))
