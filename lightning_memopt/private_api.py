@@ -283,6 +283,16 @@ def trace_forward_and_backward(
     )
 
 
+def contiguous_tangents() -> Any:
+    """A context in which AOTAutograd traces a backward for gradients laid out contiguously (or channels-last, as the
+    output suggests), not strided as the output: the plain step's gradients mostly are, and a gradient traced strided
+    as a transposed output is copied to that layout on every call, then copied back to reshape it.
+
+    missing: a public option (``torch._functorch.config.guess_tangent_strides_as_outputs``).
+    """
+    return torch._functorch.config.patch(guess_tangent_strides_as_outputs=False)
+
+
 # the batch-norm ops of a traced graph: training mode returning the new running statistics (functional), by the
 # batch's statistics alone, and updating the statistics in place; missing: public names (torch.export and
 # torch.compile graphs hold the same underscored ops)

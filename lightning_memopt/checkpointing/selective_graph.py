@@ -60,6 +60,7 @@ from lightning_memopt.checkpointing.selective_uses import UseRouter, repeated_po
 from lightning_memopt.memory.autocast_lists import active_lists
 from lightning_memopt.private_api import (
     FakeTensorMode,
+    contiguous_tangents,
     decomposed_derivatives,
     differentiated_by_formula,
     disable_current_modes,
@@ -215,7 +216,7 @@ def _trace(
             extra = _fake_extras(fake_mode, [stand_ins[position] for position in repeats])
             versions = [tensor_version(t) for t in stand_ins]
             # tensors the forward makes are fake too; ops the plain step differentiates by formula, so does the trace
-            with torch.enable_grad(), fake_mode, differentiated_by_formula(_by_their_formulas()):
+            with torch.enable_grad(), fake_mode, differentiated_by_formula(_by_their_formulas()), contiguous_tangents():
                 output = graph(*stand_ins, *extra)
             _compile_backward(output)
     except Exception as error:  # noqa: BLE001 - whatever stops the tracer, the dispatch-mode way serves

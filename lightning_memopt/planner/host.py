@@ -247,7 +247,7 @@ def priced_host_ratios(
         >>> free = dict.fromkeys(CHECKPOINT_MODES, (0.0, 0.0))
         >>> ratios = priced_host_ratios("cnn", 1e-5, free)
         >>> sorted(ratios), round(ratios["full"], 2)    # free Python: the recomputed forward kernels only
-        (['full', 'none', 'offload', 'selective kept'], 1.37)
+        (['full', 'none', 'offload', 'selective kept'], 1.2)
     """
     calls, ops = narrow_region(name, group)
     variants = {"none": "none", "full": "full", "offload": "offload", SELECTIVE_KEPT: "selective"}
