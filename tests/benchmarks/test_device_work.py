@@ -39,12 +39,13 @@ def test_selective_recomputation_keeps_the_flops_of_none_and_launches_no_more_th
     assert selective.kernels <= full.kernels
 
 
+@pytest.mark.parametrize("mode", ["selective", "full"])
 @pytest.mark.parametrize("name", NAMES)
-def test_selective_recomputation_calls_no_python_per_op(counted, name):
+def test_recomputation_calls_no_python_per_op(counted, name, mode):
     """Every preset's blocks run as traced graphs, CoTracker's of several inputs and keywords included: no dispatch
     mode, no saved-tensor hook."""
-    selective = counted(name, "selective")
-    assert selective.python_calls <= device_work.SELECTIVE_CALLS_LIMIT * selective.wrapped
+    step = counted(name, mode)
+    assert step.python_calls <= device_work.SELECTIVE_CALLS_LIMIT * step.wrapped
 
 
 @pytest.mark.parametrize("name", NAMES)
