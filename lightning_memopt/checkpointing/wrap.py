@@ -1,7 +1,8 @@
 """apply / remove activation checkpointing on any model, without editing it.
 
-A module is checkpointed by giving it an instance ``forward`` that runs the class's forward
-under non-reentrant ``torch.utils.checkpoint`` (or under host offloading). Nothing is replaced:
+A module is checkpointed by giving it an instance ``forward`` that runs the class's forward as traced graphs that
+recompute in backward (or under host offloading; where no trace can follow it, recomputed eagerly or under
+non-reentrant ``torch.utils.checkpoint``). Nothing is replaced:
 module names, ``state_dict`` keys, ``isinstance`` checks, parameters and hooks stay as they were,
 so checkpoints load either way and DDP or FSDP may wrap the model before or after.
 """
@@ -24,7 +25,7 @@ from lightning_memopt.checkpointing.policy import KEYWORDS, ActivationBudget, Po
 from lightning_memopt.checkpointing.recompute import reaches_one_input, recompute_in_backward
 from lightning_memopt.checkpointing.recompute_state import RecomputeState, cuda_devices
 from lightning_memopt.checkpointing.selective import selective_context
-from lightning_memopt.checkpointing.selective_graph import SelectiveGraph
+from lightning_memopt.checkpointing.traced_graph import TracedGraph
 from lightning_memopt.memory.autocast_lists import under_lists_of_forward
 from lightning_memopt.private_api import is_batch_norm
 from lightning_memopt.selection import describe_model
@@ -67,7 +68,7 @@ class CheckpointedForward:
         self.mode = mode
         self.previous = previous  # an instance forward that was there before ours, kept and restored
         self.state = RecomputeState(module)  # norm statistics and random draws, kept between calls
-        self.graph = SelectiveGraph(module)  # selective recomputation by traced graphs, where it can be traced
+        self.graph = TracedGraph(module)  # full and selective recomputation by traced graphs, where they can be
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:

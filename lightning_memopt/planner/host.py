@@ -7,7 +7,7 @@ where the arithmetic is negligible: a residual CNN with batch norm and a pre-nor
 step timed without checkpointing, with each mode of ours on every block, and with PyTorch's own
 ``torch.utils.checkpoint`` (the anchor), interleaved round by round, the fastest round of each kept.
 ``selective`` is the mode as a model gets it: the narrow models' blocks run as traced graphs
-(:mod:`~lightning_memopt.checkpointing.selective_graph`) that keep their matmuls on every call; a block no trace can
+(:mod:`~lightning_memopt.checkpointing.traced_graph`) that keep their matmuls on every call; a block no trace can
 follow goes the dispatch-mode way, where on tensors this small keeping does not pay and after its first calls the
 block is recomputed in full (:mod:`~lightning_memopt.checkpointing.selective_payoff`). ``selective kept`` keeps them
 on every call either way: the cost of the mode itself, which the planner prices.

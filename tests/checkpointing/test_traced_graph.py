@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_memopt.checkpointing import apply_activation_checkpointing
-from lightning_memopt.checkpointing import selective_graph as graphs
+from lightning_memopt.checkpointing import traced_graph as graphs
 from lightning_memopt.memory.work import KernelCounter
 from lightning_memopt.planner.narrow_models import HELD_OUT_MODELS, NARROW_MODELS, narrow_model
 from lightning_memopt.private_api import TorchDispatchMode

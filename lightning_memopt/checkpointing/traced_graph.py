@@ -5,7 +5,7 @@ by calling Python for every op, in the forward and again in the recomputation: o
 than the kept ops save. Here a block is traced once (AOTAutograd, on fake tensors) into the joint graph of its
 forward and backward aten ops; the outputs of :data:`~lightning_memopt.checkpointing.selective.SAVED_OPS` and of
 random ops are tagged to be saved, every other op to be recomputed, and the min-cut partitioner splits the graph in
-two (:mod:`~lightning_memopt.checkpointing.selective_partition`): a forward that returns what backward needs, a
+two (:mod:`~lightning_memopt.checkpointing.traced_partition`): a forward that returns what backward needs, a
 backward that recomputes the cheap ops and computes the gradients. Both run as plain aten calls inside one autograd
 node: no dispatch mode, no saved-tensor hook. Full recomputation is traced alike, every forward op tagged to be
 recomputed: the forward saves the block's inputs alone, and backward recomputes only the ops it needs (not a
@@ -14,13 +14,13 @@ random numbers is recomputed eagerly instead (saving what it drew would keep mor
 updates its running statistics in place in the forward and is recomputed from the batch's statistics. The outputs,
 gradients and running statistics equal the unchecked block's bitwise on the CPU where the output's gradient is a
 dense tensor (tested): a tensor read more than once takes one stand-in per use
-(:mod:`~lightning_memopt.checkpointing.selective_uses`), and the ops whose derivative tracing would take from a
+(:mod:`~lightning_memopt.checkpointing.traced_uses`), and the ops whose derivative tracing would take from a
 Python decomposition (upsampling, dropout) are traced whole.
 
 One trace serves every block of one structure (class, the attributes of the modules inside, the shapes of
 parameters, buffers and input tensors, the call's other arguments, autocast): parameters and buffers are the graph's
 inputs. What a trace cannot follow is not traced and goes the way it went before (the dispatch mode for selective,
-the eager recomputation for full: :meth:`SelectiveGraph.run` returns ``None``): hooks or instance forwards on
+the eager recomputation for full: :meth:`TracedGraph.run` returns ``None``): hooks or instance forwards on
 modules inside the block, tensors kept as plain attributes, attributes or arguments that no key can compare, one
 tensor passed twice, a buffer changed in the forward other than batch norm's statistics, or control flow on tensor
 values. A forward's Python side effects happen when it is traced (twice: once to count its reads).
@@ -29,7 +29,7 @@ Example::
 
     >>> block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
     >>> x = torch.randn(2, 4, requires_grad=True)
-    >>> out = SelectiveGraph(block).run(block.forward, (x,))
+    >>> out = TracedGraph(block).run(block.forward, (x,))
     >>> out.sum().backward()
     >>> expected = torch.autograd.grad(block(x).sum(), x)[0]
     >>> torch.equal(x.grad, expected)
@@ -48,15 +48,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memopt.checkpointing.selective_key import (
+from lightning_memopt.checkpointing.traced_key import (
     autocast_state,
     block_structure,
     call_form,
     rebuild_call,
     tensor_metas,
 )
-from lightning_memopt.checkpointing.selective_partition import selective_partition
-from lightning_memopt.checkpointing.selective_uses import UseRouter, repeated_positions, stand_ins_by_use
+from lightning_memopt.checkpointing.traced_partition import recompute_partition
+from lightning_memopt.checkpointing.traced_uses import UseRouter, repeated_positions, stand_ins_by_use
 from lightning_memopt.memory.autocast_lists import active_lists
 from lightning_memopt.private_api import (
     FakeTensorMode,
@@ -101,14 +101,14 @@ class _Graphs:
 GRAPHS = _Graphs(GRAPHS_KEPT)
 
 
-class SelectiveGraph:
+class TracedGraph:
     """One checkpointed block's way to its traced graphs. Its structure (the modules inside, their attributes, where
     its parameters and buffers live) is read on its first call; each call reads the tensors, training flags and
     hooks again.
 
     Example::
 
-        >>> graph = SelectiveGraph(torch.nn.Linear(2, 2))
+        >>> graph = TracedGraph(torch.nn.Linear(2, 2))
         >>> graph.run(graph.module.forward, (torch.ones(1, 2, requires_grad=True),)).shape
         torch.Size([1, 2])
     """
@@ -174,7 +174,7 @@ _STRUCTURES: dict[tuple, int] = {}  # each block structure seen in this process,
 
 class _Traced:
     """A block's traced graphs, and which of its tensors they take once more per extra use (see
-    :mod:`~lightning_memopt.checkpointing.selective_uses`)."""
+    :mod:`~lightning_memopt.checkpointing.traced_uses`)."""
 
     def __init__(self, graph: Callable[..., Any], repeats: list[int]) -> None:
         self.graph = graph
@@ -205,7 +205,7 @@ def _trace(
 
     tracked = _batch_norm_counters(module)
     counters = {f"primals_{i + 1}" for i, name in enumerate(names) if name in tracked}
-    partition = functools.partial(selective_partition, counters=counters, mode=mode)
+    partition = functools.partial(recompute_partition, counters=counters, mode=mode)
     graph = trace_forward_and_backward(block, partition, len(names))
     try:
         with disable_current_modes():  # what watches the step sees the graphs run, not their tracing

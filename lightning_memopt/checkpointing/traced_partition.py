@@ -1,8 +1,9 @@
-"""The split of a block's traced joint graph for selective recomputation, and its batch norms.
+"""The split of a block's traced joint graph for full or selective recomputation, and its batch norms.
 
-:func:`selective_partition` tags each forward node of the joint graph (AOTAutograd's trace of a block's forward and
-backward): the outputs of :data:`~lightning_memopt.checkpointing.selective.SAVED_OPS`, of random ops and of training
-batch norms are saved, every other op is recomputed in backward; PyTorch's min-cut partitioner honours the tags.
+:func:`recompute_partition` tags each forward node of the joint graph (AOTAutograd's trace of a block's forward and
+backward): for selective, the outputs of :data:`~lightning_memopt.checkpointing.selective.SAVED_OPS`, of random ops
+and of training batch norms are saved, every other op is recomputed in backward; for full, only the training batch
+norms' (their new running statistics) are. PyTorch's min-cut partitioner honours the tags.
 Batch norm in training needs two changes to the graph:
 
 - its recomputation must not read the running statistics (the forward has changed them since: autograd would
@@ -41,7 +42,7 @@ class DrawsRandomNumbers(Exception):
     """A block traced for full recomputation draws random numbers: its recomputation would save what it drew."""
 
 
-def selective_partition(
+def recompute_partition(
     joint: Any, inputs: Any, counters: set[str], mode: str = "selective", **options: Any
 ) -> tuple[Any, Any]:
     """Split the joint graph for ``mode``: ``"selective"`` saves the outputs of expensive and random ops and recomputes
