@@ -1,4 +1,5 @@
-"""Full recomputation with the least host work: the block runs without autograd, and again in its backward.
+"""Full recomputation of a block no trace follows (:mod:`~lightning_memopt.checkpointing.traced_graph` refuses one
+that draws random numbers, has hooks inside, ...): the block runs without autograd, and again in its backward.
 
 ``torch.utils.checkpoint`` (non-reentrant) builds the block's autograd graph in forward, calls a
 Python hook for every tensor it would save, and in backward runs the block again under a second

@@ -219,7 +219,7 @@ def _trace(
             with torch.enable_grad(), fake_mode, differentiated_by_formula(_by_their_formulas()), contiguous_tangents():
                 output = graph(*stand_ins, *extra)
             _compile_backward(output)
-    except Exception as error:  # noqa: BLE001 - whatever stops the tracer, the dispatch-mode way serves
+    except Exception as error:  # noqa: BLE001 - whatever stops the tracer, the untraced way serves
         return _refused(module, mode, f"it cannot be traced ({error})")
     finally:
         source.clear()
