@@ -117,7 +117,8 @@ def test_the_planner_prices_a_narrow_step_by_its_kernels_and_each_wrapped_calls_
     with disable_current_modes(), KernelCounter() as counter:
         model(x)
     updates = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    assert full - none == counter.kernels - updates  # each block's forward once more, its norms' statistics not
+    # each block's forward again as far as backward needs it (its last addition not), its norms' statistics not
+    assert 0 < full - none < counter.kernels - updates
     assert counter.ops > counter.kernels and narrow_region("cnn") == (16, counter.ops)
     free = priced_host_ratios("cnn", 1e-5, dict.fromkeys(("full", "selective", "offload"), (0.0, 0.0)))
     assert free["none"] == 1.0 and free["full"] == pytest.approx(full / none)
