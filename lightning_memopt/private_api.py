@@ -335,10 +335,11 @@ def differentiated_by_formula(ops: Iterable[Any]) -> Iterator[None]:
     """
     keys = (*_AUTOGRAD_KEYS, torch._C.DispatchKey.CompositeImplicitAutograd)
     overloads = {getattr(op.overloadpacket, name) for op in ops for name in op.overloadpacket.overloads()}
-    aside = [(op, key, op.py_kernels.pop(key)) for op in overloads for key in keys if key in op.py_kernels]
-    for op in overloads:
-        op._dispatch_cache.clear()
+    aside: list[tuple[Any, Any, Any]] = []
     try:
+        for op in overloads:
+            aside += [(op, key, op.py_kernels.pop(key)) for key in keys if key in op.py_kernels]
+            op._dispatch_cache.clear()
         yield
     finally:
         for op, key, kernel in aside:

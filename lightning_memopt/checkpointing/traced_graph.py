@@ -23,7 +23,9 @@ inputs. What a trace cannot follow is not traced and goes the way it went before
 the eager recomputation for full: :meth:`TracedGraph.run` returns ``None``): hooks or instance forwards on
 modules inside the block, tensors kept as plain attributes, attributes or arguments that no key can compare, one
 tensor passed twice, a buffer changed in the forward other than batch norm's statistics, or control flow on tensor
-values. A forward's Python side effects happen when it is traced (twice: once to count its reads).
+values. A forward's Python side effects happen when it is traced (three times, on fake tensors: once to count its
+reads, twice in AOTAutograd). A block structure is traced for at most :data:`SHAPES_TRACED` input shapes; its
+other shapes go the untraced way (tracing takes about a second).
 
 Example::
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -76,7 +79,8 @@ from lightning_memopt.private_api import (
 log = logging.getLogger(__name__)
 
 GRAPHS_KEPT = 256  # traced graphs kept in this process (the least recently used go first)
-_UNTRACEABLE = object()  # a key whose trace failed: the dispatch-mode way, without trying again
+_UNTRACEABLE = object()  # a key whose trace failed: the untraced way, without trying again
+SHAPES_TRACED = 16  # input shapes of one block structure traced before its new ones go the untraced way
 
 
 class _Graphs:
@@ -131,15 +135,20 @@ class TracedGraph:
         """``forward(*args, **kwargs)`` by the block's traced graphs, recomputing in backward its cheap ops
         (``mode="selective"``) or every op backward needs (``"full"``); ``None`` where the block cannot be traced
         (then nothing ran)."""
-        if not self.read:
-            self._read()
-        if self.structure is None or any(map(has_hooks, self.modules[1:])):
+        modules = list(self.module.modules())
+        if not self.read or len(modules) != len(self.modules) or any(map(operator.is_not, modules, self.modules)):
+            self._read(modules)  # read again where a module inside was added or replaced since
+        if self.structure is None or any(map(has_hooks, modules[1:])):
             return None
         call = call_form(args, kwargs)
         if call is None:
             return None
         inputs, form = call
-        tensors = (*(members[name] for members, name in self.slots), *inputs)
+        try:
+            tensors = (*(members[name] for members, name in self.slots), *inputs)
+        except KeyError:  # a parameter moved since (a parametrization registered): read again
+            self._read(modules)
+            return None
         lists = active_lists()
         training = tuple(module.training for module in self.modules)
         key = (
@@ -151,25 +160,36 @@ class TracedGraph:
             lists and lists.dtype,
             form,
         )
-        graph = GRAPHS.get(key)
+        try:
+            graph = GRAPHS.get(key)
+        except TypeError:  # an argument that compares but does not hash: no key for it
+            return None
         if graph is None:
+            shapes = TRACED_SHAPES.setdefault((mode, self.structure), set())
+            shape = tuple(t.shape for t in inputs)  # a fake profile's and the real step's count once
+            if shape not in shapes and len(shapes) >= SHAPES_TRACED:
+                if len(shapes) == SHAPES_TRACED:
+                    _refused(self.module, mode, f"{SHAPES_TRACED} of its input shapes are traced, not more")
+                    shapes.add(None)  # said once
+                return None
+            shapes.add(shape)
             graph = _trace(self.module, forward, self.names, tensors, form, mode)
             GRAPHS.put(key, graph)
         return None if graph is _UNTRACEABLE else graph(tensors)
 
-    def _read(self) -> None:
-        self.read = True
+    def _read(self, modules: list[nn.Module]) -> None:
+        self.read, self.modules, self.names, self.slots = True, modules, [], []
         structure = block_structure(self.module)
+        self.structure = None if structure is None else _STRUCTURES.setdefault(structure, len(_STRUCTURES))
         if structure is None:
             return
-        self.structure = _STRUCTURES.setdefault(structure, len(_STRUCTURES))
-        self.modules = list(self.module.modules())
         for name, members, key in tensor_slots(self.module):
             self.names.append(name)
             self.slots.append((members, key))
 
 
 _STRUCTURES: dict[tuple, int] = {}  # each block structure seen in this process, numbered
+TRACED_SHAPES: dict[tuple[str, int], set] = {}  # input shapes traced, by mode and structure (a second or so each)
 
 
 class _Traced:
@@ -209,7 +229,7 @@ def _trace(
     graph = trace_forward_and_backward(block, partition, len(names))
     try:
         with disable_current_modes():  # what watches the step sees the graphs run, not their tracing
-            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # the graphs' constants are real tensors
+            fake_mode = FakeTensorMode()  # a real tensor the forward reaches (a tied weight, say) stops the trace
             stand_ins = _fake_copies(fake_mode, tensors)
             uses = _first_run(block, stand_ins, fake_mode)
             repeats += repeated_positions(uses)
@@ -218,7 +238,7 @@ def _trace(
             # tensors the forward makes are fake too; ops the plain step differentiates by formula, so does the trace
             with torch.enable_grad(), fake_mode, differentiated_by_formula(_by_their_formulas()), contiguous_tangents():
                 output = graph(*stand_ins, *extra)
-            _compile_backward(output)
+            _compile_backward(output, fake_mode)
     except Exception as error:  # noqa: BLE001 - whatever stops the tracer, the untraced way serves
         return _refused(module, mode, f"it cannot be traced ({error})")
     finally:
@@ -230,10 +250,12 @@ def _trace(
     return _Traced(graph, repeats)
 
 
-def _compile_backward(output: Any) -> None:
+def _compile_backward(output: Any, fake_mode: FakeTensorMode) -> None:
     """Run the traced backward once on fake gradients, outside any mode: AOTAutograd builds it on its first call, by
-    copying the graph, whose constants (real tensors) a fake mode cannot copy; nor should the step's modes see it."""
+    copying the graph, whose constants (real tensors made by the forward, ``torch.tensor([...])``) a fake mode cannot
+    copy; nor should the step's modes see it. Those constants then meet fake tensors."""
     outs = [leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    fake_mode.allow_non_fake_inputs = True
     if outs:
         torch.autograd.backward(outs, [torch.zeros_like(out) for out in outs])
 
@@ -258,7 +280,7 @@ def _by_their_formulas() -> list[Any]:
 
 
 def _refused(module: nn.Module, mode: str, why: str) -> Any:
-    way = "by dispatch mode" if mode == "selective" else "by eager recomputation"
+    way = "by dispatch mode" if mode == "selective" else "untraced"
     log.info("%s checkpointing of %s %s: %s", mode, type(module).__name__, way, why)
     return _UNTRACEABLE
 

@@ -43,7 +43,7 @@ def call_form(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[tup
         constants = tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
         if not all(map(_comparable, constants)):
             return None
-        form = (spec, constants)
+        form = (spec, tuple(map(_typed, constants)))
     needing = [id(tensor) for tensor in tensors if tensor.requires_grad]
     return (tensors, form) if len(set(needing)) == len(needing) else None
 
@@ -54,7 +54,7 @@ def rebuild_call(form: Any, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[An
         return tensors, {}
     spec, constants = form
     given = iter(tensors)
-    return tree_unflatten([next(given) if c is _TENSOR else c for c in constants], spec)
+    return tree_unflatten([next(given) if value is _TENSOR else value for _, value in constants], spec)
 
 
 def block_structure(module: nn.Module) -> tuple | None:
@@ -64,13 +64,13 @@ def block_structure(module: nn.Module) -> tuple | None:
     for name, inner in module.named_modules():
         attributes = []
         for attribute, value in vars(inner).items():
-            if attribute.startswith("_") or attribute == "training" or (inner is module and attribute == "forward"):
+            if attribute in _MODULE_INTERNALS or (inner is module and attribute == "forward"):
                 continue  # the block's own instance forward is the checkpointing's
             if isinstance(value, torch.Tensor) or attribute == "forward":
                 return None  # a tensor the trace would hold as a constant; a forward patched on a module inside
             if not _comparable(value):
                 return None
-            attributes.append((attribute, _hashable(value)))
+            attributes.append((attribute, _typed(value)))
         parts.append((name, type(inner), tuple(attributes)))
     return tuple(parts)
 
@@ -87,8 +87,15 @@ def _comparable(value: Any) -> bool:
     return callable(value) and getattr(value, "__module__", None) is not None
 
 
-def _hashable(value: Any) -> Any:
-    return tuple(map(_hashable, value)) if isinstance(value, (tuple, list)) else value
+def _typed(value: Any) -> Any:
+    """``value`` as a key: lists as tuples, each plain value beside its type (``1``, ``1.0`` and ``True`` are equal
+    keys otherwise, and trace otherwise)."""
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(map(_typed, value))
+    return type(value), value
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))  # what every module holds: its tensors, children and hooks
 
 
 def tensor_metas(tensors: tuple[torch.Tensor, ...]) -> tuple:

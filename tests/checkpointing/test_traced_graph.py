@@ -363,6 +363,77 @@ def test_a_block_drawing_random_numbers_is_recomputed_eagerly_under_full(monkeyp
     wrapped, x = _full(model), torch.randn(4, 8)
     with caplog.at_level(logging.INFO, logger=graphs.__name__):
         expected, found = _steps(model, x), _steps(wrapped, x)
-    assert "by eager recomputation" in caplog.text
+    assert "full checkpointing of _Dropping untraced" in caplog.text
     assert set(entries.entries.values()) == {graphs._UNTRACEABLE}
     assert all(torch.equal(a, b) for a, b in zip(expected, found, strict=True))
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.second.weight = self.first.weight  # one parameter under two names: the second is not a slot of its own
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x).tanh()) + x
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_tensors_the_forward_reaches_outside_its_slots_stop_the_trace_and_keep_their_gradients(monkeypatch, mode):
+    """A trace would hold them as constants: the tied weight would take the gradient of one of its uses only."""
+    entries = _traced_entries(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(_Tied())
+    wrapped = copy.deepcopy(model)
+    apply_activation_checkpointing(wrapped, {"modules": ["0"], "mode": mode})
+    x = torch.randn(4, 8)
+    expected, found = _steps(model, x), _steps(wrapped, x)
+    assert set(entries.entries.values()) == {graphs._UNTRACEABLE}
+    assert all(torch.equal(a, b) for a, b in zip(expected, found, strict=True))
+
+
+class _Signed(nn.Module):
+    def __init__(self, negative: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self._negative = negative  # a private attribute the forward reads: part of the structure
+
+    def forward(self, x: torch.Tensor, scale=1.0) -> torch.Tensor:
+        y = self.linear(x).tanh() * scale
+        return -y if self._negative else y
+
+
+def test_private_attributes_argument_types_and_replaced_modules_each_get_their_own_trace(monkeypatch):
+    entries = _traced_entries(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(_Signed(False), _Signed(True))
+    wrapped = _full(model)
+    x = torch.randn(4, 8)
+    assert all(torch.equal(a, b) for a, b in zip(_steps(model, x), _steps(wrapped, x), strict=True))
+    assert len(entries.entries) == 2  # the sign is part of the structure
+    for block, plain in zip(wrapped, model, strict=True):  # 1 and 1.0 differ to a trace: an int scale stays exact
+        inputs = torch.arange(8, dtype=torch.float64).reshape(1, 8).requires_grad_()
+        block.linear.double(), plain.linear.double()
+        assert torch.equal(block(inputs, scale=1), plain(inputs, scale=1))
+        assert torch.equal(block(inputs, scale=1.0), plain(inputs, scale=1.0))
+    replaced = nn.Linear(8, 8).double()
+    wrapped[0].linear, model[0].linear = replaced, copy.deepcopy(replaced)
+    inputs = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+    wrapped[0](inputs).sum().backward()
+    assert replaced.weight.grad is not None  # the new module's parameters are the graph's, not the old one's
+
+
+def test_a_block_structure_is_traced_for_a_bounded_number_of_input_shapes(monkeypatch, caplog):
+    entries = _traced_entries(monkeypatch)
+    monkeypatch.setattr(graphs, "TRACED_SHAPES", {})
+    monkeypatch.setattr(graphs, "SHAPES_TRACED", 2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    wrapped = copy.deepcopy(model)
+    apply_activation_checkpointing(wrapped, {"modules": ["0"], "mode": "full"})
+    with caplog.at_level(logging.INFO, logger=graphs.__name__):
+        for rows in (2, 3, 4, 5):
+            x = torch.randn(rows, 8)
+            assert all(torch.equal(a, b) for a, b in zip(_steps(model, x, 1), _steps(wrapped, x, 1), strict=True))
+    assert len(entries.entries) == 2
+    assert caplog.text.count("2 of its input shapes are traced, not more") == 1
