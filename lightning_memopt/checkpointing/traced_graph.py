@@ -120,8 +120,7 @@ class TracedGraph:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.structure: int | None = None  # the structure's number in this process; None: untraceable
-        self.read = False
-        self.modules: list[nn.Module] = []
+        self.modules: list[nn.Module] = []  # as last read; none before the first call
         self.names: list[str] = []  # of its parameters, then its buffers
         self.slots: list[tuple[dict[str, Any], str]] = []  # where each of those lives: (a module's dict, key)
 
@@ -136,8 +135,8 @@ class TracedGraph:
         (``mode="selective"``) or every op backward needs (``"full"``); ``None`` where the block cannot be traced
         (then nothing ran)."""
         modules = list(self.module.modules())
-        if not self.read or len(modules) != len(self.modules) or any(map(operator.is_not, modules, self.modules)):
-            self._read(modules)  # read again where a module inside was added or replaced since
+        if len(modules) != len(self.modules) or any(map(operator.is_not, modules, self.modules)):
+            self._read(modules)  # on the first call, and again where a module inside was added or replaced since
         if self.structure is None or any(map(has_hooks, modules[1:])):
             return None
         call = call_form(args, kwargs)
@@ -178,7 +177,7 @@ class TracedGraph:
         return None if graph is _UNTRACEABLE else graph(tensors)
 
     def _read(self, modules: list[nn.Module]) -> None:
-        self.read, self.modules, self.names, self.slots = True, modules, [], []
+        self.modules, self.names, self.slots = modules, [], []
         structure = block_structure(self.module)
         self.structure = None if structure is None else _STRUCTURES.setdefault(structure, len(_STRUCTURES))
         if structure is None:
