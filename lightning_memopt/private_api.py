@@ -62,6 +62,7 @@ __all__ = [
     "assign_buffer",
     "attach_trainer",
     "attached_trainer",
+    "composable_state_keys",
     "copy_tensors",
     "cuda_memory_snapshot",
     "disable_current_modes",
@@ -149,6 +150,20 @@ def has_hooks(module: nn.Module) -> bool:
     """
     kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     return any(getattr(module, kind, None) for kind in kinds)
+
+
+def composable_state_keys() -> frozenset[str]:
+    """The attribute names under which ``torch.distributed``'s composable APIs (``fully_shard``, ``replicate``) keep
+    a module's state in its ``__dict__``: bookkeeping of the hooks around the module, which its forward never reads.
+
+    missing: a public way to tell that state from a module's own attributes (``contract.STATE_KEY`` and
+    ``REGISTRY_KEY`` are random names made at import).
+    """
+    if not torch.distributed.is_available():
+        return frozenset()
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+
+    return frozenset((STATE_KEY, REGISTRY_KEY))
 
 
 def tensor_slots(module: nn.Module) -> list[tuple[str, dict[str, Any], str]]:

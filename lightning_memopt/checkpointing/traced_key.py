@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memopt.private_api import tree_flatten, tree_unflatten
+from lightning_memopt.private_api import composable_state_keys, tree_flatten, tree_unflatten
 
 _PRIMITIVES = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _TENSOR = object()  # where a call's tensor goes among its other arguments
@@ -95,7 +95,8 @@ def _typed(value: Any) -> Any:
     return type(value), value
 
 
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))  # what every module holds: its tensors, children and hooks
+# what every module holds (its tensors, children and hooks) and what FSDP2 keeps on the modules it shards
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | composable_state_keys()
 
 
 def tensor_metas(tensors: tuple[torch.Tensor, ...]) -> tuple:

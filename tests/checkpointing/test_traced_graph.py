@@ -437,3 +437,22 @@ def test_a_block_structure_is_traced_for_a_bounded_number_of_input_shapes(monkey
             assert all(torch.equal(a, b) for a, b in zip(_steps(model, x, 1), _steps(wrapped, x, 1), strict=True))
     assert len(entries.entries) == 2
     assert caplog.text.count("2 of its input shapes are traced, not more") == 1
+
+
+def test_a_block_carrying_fsdp2s_state_is_traced(monkeypatch):
+    """``fully_shard`` keeps its state in the ``__dict__`` of the modules it shards, under names made at import: the
+    forward never reads it, so it is no part of the block's structure (it stopped the trace under FSDP2)."""
+    from torch.distributed._composable import contract
+
+    @contract()
+    def carrying_state(module: nn.Module) -> nn.Module:  # what fully_shard and replicate do first
+        return module
+
+    entries = _traced_entries(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), carrying_state(nn.Linear(8, 8)))
+    carrying_state(model[0][0])
+    wrapped = _full(model)
+    x = torch.randn(4, 8)
+    assert all(torch.equal(a, b) for a, b in zip(_steps(model, x), _steps(wrapped, x), strict=True))
+    assert _all_traced(entries) and len(entries.entries) == 2
