@@ -32,6 +32,7 @@ from lightning_memopt.planner.hardware import GpuName
 from lightning_memopt.planner.knobs import KnobsMapping
 from lightning_memopt.planner.space import DEFAULT_SAFETY_MARGIN, check_safety_margin
 from lightning_memopt.private_api import training_dataloader
+from lightning_memopt.random_state import random_state_kept
 from lightning_memopt.strategies import MemoptFSDPStrategy
 
 _APPLIED_BY = (PrecisionSwitch, ActivationCheckpointing, AdaptiveAccumulation)
@@ -226,11 +227,13 @@ class MemoryBudget(CallbackGroup):
     def _outcome(self, pl_module: LightningModule, batch: Any, target: PlanTarget) -> PlanOutcome:
         """Plan for ``target`` on ``batch()``: a failure of any kind is the outcome's (told to every rank in setup)."""
         try:
-            hardware = hardware_for(target.device, self.hardware_name, self.budget)
-            options = {"safety_margin": self.safety_margin, "verify": self.verify, "blocks": self.blocks}
-            self.plan, knobs, failure = plan_for_target(
-                pl_module, batch(), hardware, target, verbose=self.verbose, **options
-            )
+            # what planning draws (a loader's iterator its seed, timing this CPU its inputs) leaves the run's alone
+            with random_state_kept():
+                hardware = hardware_for(target.device, self.hardware_name, self.budget)
+                options = {"safety_margin": self.safety_margin, "verify": self.verify, "blocks": self.blocks}
+                self.plan, knobs, failure = plan_for_target(
+                    pl_module, batch(), hardware, target, verbose=self.verbose, **options
+                )
         except Exception as error:  # noqa: BLE001 (told to every rank, re-raised there as the cause)
             return PlanOutcome.failed(target, error)
         return PlanOutcome(target, None if knobs is None else knobs.as_dict(), failure)
