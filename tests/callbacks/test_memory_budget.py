@@ -1,8 +1,8 @@
 import re
 from pathlib import Path
 
-import pytest
 import lightning.pytorch as pl
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
