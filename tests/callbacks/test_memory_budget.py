@@ -320,7 +320,8 @@ def _fit_dropout_net(budget_callback, tmp_path):
     torch.manual_seed(0)
     module = _DropoutNet()
     trainer = quiet_trainer(max_steps=6, callbacks=[budget_callback], default_root_dir=tmp_path)
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(list(zip(images, labels)), batch_size=8))
+    loader = torch.utils.data.DataLoader(list(zip(images, labels, strict=True)), batch_size=8)
+    trainer.fit(module, train_dataloaders=loader)
     return module
 
 
