@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
-from lightning_memopt.arguments import check_bool, check_int, check_optional_float
+from lightning_memopt.arguments import check_bool, check_float, check_int, check_optional_float
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
 from lightning_memopt.callbacks.composite import CallbackGroup
@@ -31,6 +32,7 @@ from lightning_memopt.planner import gpu as catalogue_gpu
 from lightning_memopt.planner.hardware import GpuName
 from lightning_memopt.planner.knobs import KnobsMapping
 from lightning_memopt.planner.space import DEFAULT_SAFETY_MARGIN, check_safety_margin
+from lightning_memopt.planner.trials import fastest_measured, measure_candidates, trial_candidates
 from lightning_memopt.private_api import training_dataloader
 from lightning_memopt.random_state import random_state_kept
 from lightning_memopt.strategies import MemoptFSDPStrategy
@@ -78,6 +80,13 @@ class MemoryBudget(CallbackGroup):
         blocks: the modules checkpointing acts on: ``"auto"`` (declared, else discovered; ``"preset"``
             is the same), or module classes, dotted paths and name globs where discovery picks the wrong ones.
         verbose: log every candidate weighed, not only the short report (the Pareto front, at most 10 rows).
+        measure: time the candidates predicted to fit on the device the run trains on and choose the fastest
+            measured whose measured peak fits (:mod:`~lightning_memopt.planner.trials`): ``"auto"`` (default) on
+            an accelerator, not on the CPU; ``True`` on any device; ``False`` never (the catalogue's price decides).
+            One device only for now: under DDP and ``fsdp_memopt`` the priced plan is applied.
+        measure_candidates: the most candidates measured.
+        measure_steps: the timed steps per candidate (after two that measure its peak); the fastest counts.
+        measure_seconds: the most seconds spent measuring; the candidates left are reported untried.
 
     Raises:
         MisconfigurationException: bad arguments (in ``__init__``); in ``setup``: a strategy other
@@ -103,6 +112,10 @@ class MemoryBudget(CallbackGroup):
         verify: int = 3,
         blocks: BlocksSpec = "auto",
         verbose: bool = False,
+        measure: bool | str = "auto",
+        measure_candidates: int = 6,
+        measure_steps: int = 3,
+        measure_seconds: float = 60.0,
     ) -> None:
         try:
             check_blocks(blocks)  # whether they match the model is checked in setup
@@ -114,6 +127,10 @@ class MemoryBudget(CallbackGroup):
             self.safety_margin = check_safety_margin(safety_margin)
             self.verify = check_int("verify", verify, minimum=0)
             self.verbose = check_bool("verbose", verbose)
+            self.measure = _check_measure(measure)
+            self.measure_candidates = check_int("measure_candidates", measure_candidates, minimum=1)
+            self.measure_steps = check_int("measure_steps", measure_steps, minimum=1)
+            self.measure_seconds = check_float("measure_seconds", measure_seconds, minimum=0, open_minimum=True)
         except (TypeError, ValueError) as error:
             raise MisconfigurationException(f"MemoryBudget: {error}") from None
         super().__init__()
@@ -166,8 +183,8 @@ class MemoryBudget(CallbackGroup):
             >>> module = NormalEstimationModule(backbone="sapiens_tiny")
             >>> batch = {"image": torch.randn(2, 3, 64, 48), "normal": torch.randn(2, 3, 64, 48),
             ...          "mask": torch.ones(2, 1, 64, 48, dtype=torch.bool)}
-            >>> MemoryBudget(budget=0.5, gpu="a100_80gb").plan_ahead(module, batch).describe()
-            'bf16-mixed, sdpa'
+            >>> MemoryBudget(budget=0.5, gpu="a100_80gb").plan_ahead(module, batch).describe()  # launch-bound: no casts
+            '32-true, sdpa'
         """
         if self.knobs is not None:
             raise MisconfigurationException(f"MemoryBudget: `knobs` {self.knobs.describe()!r} were given: no plan")
@@ -230,13 +247,45 @@ class MemoryBudget(CallbackGroup):
             # what planning draws (a loader's iterator its seed, timing this CPU its inputs) leaves the run's alone
             with random_state_kept():
                 hardware = hardware_for(target.device, self.hardware_name, self.budget)
+                measuring = self._measures(target)
                 options = {"safety_margin": self.safety_margin, "verify": self.verify, "blocks": self.blocks}
+                sample = batch()
                 self.plan, knobs, failure = plan_for_target(
-                    pl_module, batch(), hardware, target, verbose=self.verbose, **options
+                    pl_module, sample, hardware, target, verbose=self.verbose, every_kind=measuring, **options
                 )
+                if knobs is not None and measuring:
+                    knobs = self._measured_choice(pl_module, sample, target)
         except Exception as error:  # noqa: BLE001 (told to every rank, re-raised there as the cause)
             return PlanOutcome.failed(target, error)
         return PlanOutcome(target, None if knobs is None else knobs.as_dict(), failure)
+
+    def _measures(self, target: PlanTarget) -> bool:
+        wanted = target.device.type != "cpu" if self.measure == "auto" else self.measure
+        if wanted and (target.devices > 1 or target.fsdp):
+            rank_zero_info(f"MemoryBudget: not measured on {target.describe()} (one device only, for now): priced")
+            return False
+        return wanted
+
+    def _measured_choice(self, pl_module: LightningModule, batch: Any, target: PlanTarget) -> Knobs:
+        """The candidates predicted to fit, timed on the device: the fastest measured that fits, else the one of
+        the least predicted peak (under AdaptiveAccumulation, as every plan runs)."""
+        plan = self.plan
+        priced = plan.chosen
+        candidates = trial_candidates(plan.candidates, self.measure_candidates)
+        started = time.perf_counter()
+        plan.measurements = measure_candidates(
+            pl_module, batch, candidates, plan.limit_bytes, device=target.device, blocks=self.blocks,
+            steps=self.measure_steps, seconds=self.measure_seconds,
+        )  # fmt: skip
+        plan.measure_seconds = time.perf_counter() - started
+        fastest = fastest_measured(plan.measurements, plan.limit_bytes)
+        if fastest is not None:
+            plan.chosen = next(c for c in candidates if c.knobs == fastest.knobs)
+        else:  # AdaptiveAccumulation (always applied) halves its micro-batches if even this runs out of memory
+            unsharded = [c for c in plan.candidates if c.fits and not c.knobs.sharding.active]
+            plan.chosen = min(unsharded, key=lambda c: (c.peak_bytes, c.cost.total))
+        rank_zero_info(f"MemoryBudget: {plan.measured_report(priced)}")
+        return plan.chosen.knobs
 
     def _batch(self, trainer: Trainer) -> Any:
         if self.sample_batch is not None:
@@ -281,6 +330,8 @@ class MemoryBudget(CallbackGroup):
             logged = {f"memopt/plan/{k}": v for k, v in self.knobs.as_dict().items()}
             if self.plan is not None:
                 logged.update({f"memopt/plan/{k}": v for k, v in self.plan.summary().items()})
+                if self.plan.measure_seconds is not None:
+                    logged["memopt/plan_measure_seconds"] = round(self.plan.measure_seconds, 3)
             for logger in trainer.loggers:
                 logger.log_hyperparams(logged)
         super().on_train_start(trainer, pl_module)
@@ -306,3 +357,12 @@ class MemoryBudget(CallbackGroup):
                 f"{self.knobs.describe()!r}; resume with MemoryBudget(knobs={saved!r}) to continue the same run"
             )
         super().load_state_dict(state_dict)  # the applied callbacks' states (older checkpoints: on_load_checkpoint)
+
+
+def _check_measure(value: Any) -> bool | str:
+    if value == "auto":
+        return value
+    try:
+        return check_bool("measure", value)
+    except (TypeError, ValueError):
+        raise ValueError(f"`measure`={value!r} is not one of the valid choices: 'auto', True, False") from None

@@ -22,6 +22,7 @@ from lightning_memopt.memory.tracker import allocating_on_host
 from lightning_memopt.private_api import CPU_FLASH_ATTENTION_OPS, TorchDispatchMode, same_memory, tree_flatten
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+_TO_COPY = torch.ops.aten._to_copy
 _CONVOLUTIONS = ("convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution")  # forward and backward
 _NOT_KERNELS = frozenset({"detach", "alias", "lift_fresh", "_to_copy_noop"})
 _COPY = torch.ops.aten.copy_.default
@@ -39,6 +40,8 @@ class Work:
     matmul_kernels: float = 0.0
     conv_flops: float = 0.0  # the part of ``full_flops`` that fp32 convolutions did (cuDNN runs them in TF32)
     ops: float = 0.0  # aten calls, views and copies to the host included: what the host dispatched
+    cast_kernels: float = 0.0  # the part of ``kernels`` that cast a float tensor to another float dtype (autocast's)
+    cast_bytes: float = 0.0  # and the part of ``bytes_written`` they wrote
 
     def __add__(self, other: Work) -> Work:
         return Work(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Work)))
@@ -118,6 +121,9 @@ class WorkCounter(TorchDispatchMode):
         written = sum(t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         work.bytes_written += written
         work.kernels += 1
+        if packet is _TO_COPY and _casts(args[0], out):
+            work.cast_kernels += 1
+            work.cast_bytes += written
         formula = self._formulas.get(packet)
         if formula is not None:
             flops = formula(*args, **kwargs, out_val=out)
@@ -147,6 +153,17 @@ def is_kernel(func: Any, args: tuple[Any, ...] = ()) -> bool:
         and func.overloadpacket.__name__ not in _NOT_KERNELS
         and not (func is _COPY and same_memory(args[0], args[1]))
         and not allocating_on_host()
+    )
+
+
+def _casts(source: Any, out: Any) -> bool:
+    """Whether a copy turned a floating-point tensor into another floating-point dtype."""
+    return (
+        isinstance(source, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+        and source.dtype != out.dtype
+        and source.dtype.is_floating_point
+        and out.dtype.is_floating_point
     )
 
 

@@ -36,9 +36,17 @@ FRONTIER_POINTS = 32  # the activation targets, from none checkpointed to the le
 
 
 def search_groups(
-    search: SearchContext, groups: list[Group], verify: int, options: Sequence[ResultChangingOption]
+    search: SearchContext,
+    groups: list[Group],
+    verify: int,
+    options: Sequence[ResultChangingOption],
+    every_kind: bool = False,
 ) -> Candidate | None:
     """The fastest candidate that fits over ``groups`` (``None``: none fits), searched cheapest group first.
+
+    A group whose least price cannot beat the best so far is skipped, unless ``every_kind`` and no group of its kind
+    (precision, attention kernel, micro-batched or not) has given a candidate that fits yet: measuring on the device
+    wants the fastest of each kind, since the price that ranks them may be wrong.
 
     Raises:
         PlanError: the first anchor shows that the model states fit the budget in no layout considered.
@@ -46,6 +54,7 @@ def search_groups(
     best: Candidate | None = None
     reference: MemoryProfile | None = None
     pending = list(groups)
+    kinds_found: set[tuple[str, str | None, bool]] = set()
     while pending:
         if reference is not None:
             for group in pending:
@@ -53,7 +62,9 @@ def search_groups(
             pending.sort(key=lambda group: group.lower_bound)
         group = pending.pop(0)
         knobs = Knobs(group.precision, group.attn_impl, micro_batch_size=group.micro_batch_size)
-        if best is not None and group.lower_bound >= best.cost.total:
+        kind = (group.precision, group.attn_impl, group.micro_batch_size is not None)
+        wanted = every_kind and kind not in kinds_found
+        if best is not None and group.lower_bound >= best.cost.total and not wanted:
             search.skipped.append((knobs, group.lower_bound))
             continue
         anchor = _anchor(search, knobs)
@@ -63,6 +74,8 @@ def search_groups(
             reference = anchor
             check_model_states(search, anchor, options)
         found = _search_group(search, group, anchor, verify)
+        if found is not None:
+            kinds_found.add(kind)
         if found is not None and (best is None or found.cost.total < best.cost.total):
             best = found
     return best
@@ -100,6 +113,8 @@ def _search_group(search: SearchContext, group: Group, anchor: MemoryProfile, ve
     floor = max((sum(unchecked.phases[m].values()) for m in unchecked.phases if m not in STEP_MOMENTS), default=0)
     estimates: list[Candidate] = []
     for modes in Frontier(options, ActivationPeaks.of_step(unchecked)).points(FRONTIER_POINTS, floor):
+        if not modes:
+            continue  # nothing checkpointed: the anchor, profiled already
         knobs = base.with_block_modes(modes, options)
         estimates += search.candidates_of(knobs, checkpointed(anchor, modes, extra, search.lean), "estimated")
     best = _cheapest_fitting(confirmed, None)
@@ -159,17 +174,20 @@ def measure_chosen_options(
 
 def _lower_bound(search: SearchContext, reference: MemoryProfile, group: Group) -> float:
     """No group step is faster than the reference's work with every flop at the group's precision, unrecomputed,
-    and the smallest share of the optimizer's work any layout leaves on the device."""
+    and the smallest share of the optimizer's work any layout leaves on the device. A full-precision group does
+    none of a mixed reference's casts (autocast's copies of weights and inputs)."""
     work = reference.work(("forward", "backward"))
     flops = work.flops
     half = group.precision != "32-true"
     size = batch_size(search.batch)
     share = 1.0 if group.micro_batch_size is None else group.micro_batch_size / size
+    uncast = not half and reference.precision != "32-true"
+    written = work.bytes_written - (work.cast_bytes if uncast else 0.0)
     micro = Work(
         half_flops=flops * share if half else 0.0,
         full_flops=0.0 if half else flops * share,
-        bytes_written=work.bytes_written * share * (0.5 if half and reference.precision == "32-true" else 1.0),
-        kernels=work.kernels,
+        bytes_written=written * share * (0.5 if half and reference.precision == "32-true" else 1.0),
+        kernels=work.kernels - (work.cast_kernels if uncast else 0.0),
     )
     knobs = Knobs(group.precision, group.attn_impl, micro_batch_size=group.micro_batch_size)
     least = min(search.traffic(replace(knobs, shards=layout.shards)).optimizer_share for layout in search.layouts)

@@ -61,6 +61,9 @@ class Plan:
     profiles: int = 0
     notes: list[str] = field(default_factory=list)  # the knobs left out of the search, and why
     rejected: list[tuple[Knobs, str]] = field(default_factory=list)  # configurations the model refuses, and why
+    # the candidates timed on the device (planner.trials.Measurement), and the seconds that took; none: priced alone
+    measurements: list[Any] = field(default_factory=list)
+    measure_seconds: float | None = None
 
     @property
     def fits(self) -> bool:
@@ -164,6 +167,37 @@ class Plan:
             + (f", {host / scale:.2f} {unit} of host memory" if host else "")
             + f", about {self.chosen.cost.total:.4f} s per step{_cost_parts(self.chosen)}"
         ]
+
+    def measured_report(self, priced: Candidate | None) -> str:
+        """The candidates timed on the device beside their prices, what was chosen and what the price alone chose."""
+        unit, scale = ("GiB", GIB) if self.hardware.memory_bytes >= GIB else ("MiB", MIB)
+        lines = [
+            f"measured {sum(m.measured_seconds is not None for m in self.measurements)} of "
+            f"{len(self.measurements)} candidates on the device in {self.measure_seconds or 0:.1f} s "
+            f"(plan within {self.limit_bytes / scale:.2f} {unit})",
+            f"{'':2}{'candidate':<44}{'priced s':>10}{'measured s':>12}{'peak ' + unit:>11}{'measured':>10}  outcome",
+        ]
+        for measured in self.measurements:
+            mark = "→" if self.chosen is not None and measured.knobs == self.chosen.knobs else ""
+            seconds = "—" if measured.measured_seconds is None else f"{measured.measured_seconds:.4f}"
+            peak = "—" if measured.measured_peak_bytes is None else f"{measured.measured_peak_bytes / scale:.2f}"
+            lines.append(
+                f"{mark:<2}{measured.knobs.describe():<44}{measured.predicted_seconds:>10.4f}{seconds:>12}"
+                f"{measured.predicted_peak_bytes / scale:>11.2f}{peak:>10}  {measured.outcome}"
+            )
+        chosen = "—" if self.chosen is None else self.chosen.knobs.describe()
+        if not any(measured.fits(self.limit_bytes) for measured in self.measurements):
+            verdict = (
+                f"nothing measured fits: {chosen}, of the least predicted peak, runs (AdaptiveAccumulation halves "
+                "its micro-batches on an out-of-memory error)"
+            )
+        elif priced is None:
+            verdict = f"chosen by measurement: {chosen}"
+        elif self.chosen is not None and priced.knobs == self.chosen.knobs:
+            verdict = f"chosen by measurement: {chosen}, as the price alone chose"
+        else:
+            verdict = f"chosen by measurement: {chosen} (the price alone chose {priced.knobs.describe()})"
+        return "\n".join([*lines, verdict])
 
     def write_chart(self, path: str | Path) -> None:
         """Stacked memory bars per candidate against the budget line (PNG; needs matplotlib)."""

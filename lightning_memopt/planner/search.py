@@ -64,6 +64,7 @@ def plan(
     options: Sequence[ResultChangingOption] = (),
     progress: bool = False,
     verify: int = 3,
+    every_kind: bool = False,
 ) -> Plan:
     """Pick the fastest configuration whose predicted peak fits ``hardware``'s memory less the safety margin.
 
@@ -98,6 +99,9 @@ def plan(
         progress: show a progress bar of the profiles.
         verify: the most candidates per group profiled to confirm an estimate; when none of them
             fits, as many more (at least one) of those estimated to fit are confirmed.
+        every_kind: search every kind of step (each precision and attention kernel, with and without
+            micro-batches) even where its least price cannot beat the choice: the candidates to measure on the
+            device (:func:`~lightning_memopt.planner.trials.measure_candidates`), where the price may be wrong.
 
     Raises:
         PlanError: the budget is smaller than what parameters, gradients and optimizer state need on
@@ -123,6 +127,7 @@ def plan(
     gather_as_stored = check_bool("gather_as_stored", gather_as_stored)
     micro_batching = check_optional_bool("micro_batching", micro_batching)
     progress = check_bool("progress", progress)
+    every_kind = check_bool("every_kind", every_kind)
     if not isinstance(hardware, Hardware):
         raise TypeError(
             f"`hardware` must be a Hardware (gpu(name), with_budget(...), cuda_hardware(device), measure_cpu(bytes)), "
@@ -214,7 +219,7 @@ def plan(
         for size in (micro_batch_sizes(batch_size(batch)) if use_micro else [None])
     ]
     try:
-        best = search_groups(search, groups, verify, options)
+        best = search_groups(search, groups, verify, options, every_kind)
         measured = measure_chosen_options(search, best, groups[0], options)
     finally:
         if progress_bar is not None:

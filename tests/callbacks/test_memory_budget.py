@@ -11,6 +11,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning_memopt import ActivationCheckpointing, AdaptiveAccumulation, MemoryBudget, PrecisionSwitch
 from lightning_memopt.callbacks import memory_budget
 from lightning_memopt.cli.config import config_dir
+from lightning_memopt.memory import SimulatedDevice
 from lightning_memopt.planner import Knobs
 from lightning_memopt.planner.command import train_command
 from lightning_memopt.tasks import NormalEstimationModule
@@ -105,6 +106,10 @@ def test_nothing_fitting_is_an_error_with_the_table(tmp_path):
         ({"knobs": {"cpu_offload": "maybe"}}, "`cpu_offload` must be true or false, got 'maybe' (str)"),
         ({"blocks": 12}, "`blocks`=12 must be 'auto'"),
         ({"blocks": ["layers.*", 3]}, "`blocks` entry 3 must be a module class, a dotted class path or a name glob"),
+        ({"measure": "refresh"}, "`measure`='refresh' is not one of the valid choices: 'auto', True, False"),
+        ({"measure_candidates": 0}, "`measure_candidates` must be an integer ≥ 1, got 0"),
+        ({"measure_steps": 0}, "`measure_steps` must be an integer ≥ 1, got 0"),
+        ({"measure_seconds": 0}, "`measure_seconds`"),
     ],
 )
 def test_bad_arguments_are_named(arguments, message):
@@ -332,3 +337,45 @@ def test_planning_leaves_the_random_numbers_of_the_run_as_the_chosen_knobs_given
     trained = _fit_dropout_net(planned, tmp_path)
     given = _fit_dropout_net(MemoryBudget(knobs=planned.knobs.as_dict()), tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(trained.parameters(), given.parameters(), strict=True))
+
+
+def test_measured_plans_choose_the_fastest_measured_that_fits_and_leave_the_run_as_given_those_knobs(tmp_path):
+    measured = MemoryBudget(budget=0.5 / 1024, safety_margin=0.0, measure=True, measure_candidates=3)
+    trained = _fit_dropout_net(measured, tmp_path)
+    plan = measured.plan
+    assert len(plan.measurements) == 3 and plan.measure_seconds > 0
+    fitting = [m for m in plan.measurements if m.outcome == "measured" and m.measured_peak_bytes <= plan.limit_bytes]
+    assert fitting and measured.knobs == min(fitting, key=lambda m: m.measured_seconds).knobs
+    assert "measured 3 of 3 candidates on the device" in plan.measured_report(None)
+    given = _fit_dropout_net(MemoryBudget(knobs=measured.knobs.as_dict()), tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(trained.parameters(), given.parameters(), strict=True))
+
+
+def test_auto_measures_off_the_cpu_only(tmp_path):
+    budget = MemoryBudget(budget=0.5 / 1024, safety_margin=0.0)
+    _fit_dropout_net(budget, tmp_path)
+    assert budget.plan.measurements == [] and budget.plan.measure_seconds is None
+
+
+def test_a_trial_out_of_memory_ends_that_trial_alone_and_the_run_trains_what_fits(tmp_path):
+    budget = MemoryBudget(budget=0.5 / 1024, safety_margin=0.0, measure=True)
+    with SimulatedDevice(450 * 1024) as device:  # 32-true's step needs more; the rest fit
+        module = _fit_dropout_net(budget, tmp_path)
+    outcomes = {m.knobs.describe(): m.outcome for m in budget.plan.measurements}
+    assert outcomes["32-true"] == "out of memory" and device.oom_count == 1
+    assert budget.knobs.describe() != "32-true" and outcomes[budget.knobs.describe()] == "measured"
+    assert module.trainer.global_step == 6
+
+
+def test_when_every_trial_runs_out_of_memory_the_least_predicted_peak_trains_under_adaptive_accumulation(
+    tmp_path, caplog
+):
+    budget = MemoryBudget(budget=0.5 / 1024, safety_margin=0.0, measure=True)
+    with SimulatedDevice(340 * 1024):
+        module = _fit_dropout_net(budget, tmp_path)
+    assert not any(m.fits(budget.plan.limit_bytes) for m in budget.plan.measurements)
+    fitting = [c for c in budget.plan.candidates if c.fits]
+    assert budget.knobs == min(fitting, key=lambda c: c.peak_bytes).knobs
+    assert "nothing measured fits" in caplog.text
+    accumulation = next(c for c in budget.callbacks if isinstance(c, AdaptiveAccumulation))
+    assert accumulation.sizer.size < budget.knobs.micro_batch_size and module.trainer.global_step == 6

@@ -86,3 +86,15 @@ def test_blocks_report_what_their_forward_leaves_for_backward():
     assert account.saved_bytes == 2 * 32 * 256 * 4
     assert account.bytes_made_by(["addmm"]) == 32 * 256 * 4
     assert profile.work(("forward",), ("1",)).full_flops == 2 * (2 * 32 * 64 * 256)
+
+
+def test_casts_between_float_dtypes_are_counted_apart():
+    linear, inputs = torch.nn.Linear(16, 8), torch.randn(4, 16)
+    with WorkCounter() as counter, torch.autocast("cpu", dtype=torch.bfloat16):
+        linear(inputs)
+    work = counter.total()  # autocast casts the weight, the bias and the input, then runs one matmul
+    assert (work.cast_kernels, work.cast_bytes, work.kernels) == (3, (8 * 16 + 8 + 4 * 16) * 2, 4)
+    with WorkCounter() as counter:
+        linear(inputs).double()
+        inputs.long()  # not between floats: no cast of a precision
+    assert (counter.total().cast_kernels, counter.total().cast_bytes) == (1, 4 * 8 * 8)

@@ -1,0 +1,263 @@
+"""Plans measured on the device that trains: the candidates predicted to fit, each timed for real, the fastest kept.
+
+The fake-mode plan prices a step from counted work and a catalogue of rates; a device's real costs can be far from
+them (on an H200, selective recomputation cost 1.93× a step where it was priced near full's). Here the candidates
+the plan predicts to fit are run on the live device: a copy of the model with the knobs applied, the run's own batch,
+its ``training_step``, backward and optimizer step, two steps with the peak watched (on CUDA the allocator's peak,
+elsewhere the :class:`~lightning_memopt.memory.MemoryTracker`'s) and ``steps`` more timed, the fastest kept.
+Nothing of the run changes: the copy is thrown away and every random number generator is set back. An
+out-of-memory error ends that trial alone; the candidates predicted to need as much or more are not tried.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_memopt.planner import measure_cpu, plan
+    >>> model, batch = torch.nn.Linear(64, 64), torch.randn(8, 64)
+    >>> options = {"loss_fn": lambda m, x: m(x).square().mean(), "optimizer": lambda p: torch.optim.SGD(p, lr=0.1)}
+    >>> result = plan(model, batch, measure_cpu(2**30), **options)
+    >>> found = measure_candidates(model, batch, trial_candidates(result.candidates, 2), result.limit_bytes, **options)
+    >>> {m.outcome for m in found}
+    {'measured'}
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memopt.accumulation.split import batch_size, slice_batch
+from lightning_memopt.checkpointing import apply_activation_checkpointing
+from lightning_memopt.memory.profile import LossFn, OptimizerSource
+from lightning_memopt.memory.step_parts import (
+    build_optimizer,
+    quiet_logger,
+    quiet_logging,
+    training_step_fn,
+)
+from lightning_memopt.memory.tracker import MemoryTracker
+from lightning_memopt.models.structure import set_attention
+from lightning_memopt.planner.report import Candidate
+from lightning_memopt.private_api import attached_trainer, disable_current_modes, tree_map
+from lightning_memopt.random_state import random_state_kept
+
+MEASURED, OUT_OF_MEMORY, OVER_BUDGET = "measured", "out of memory", "over the budget"
+_HALF = {"bf16": torch.bfloat16, "16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One candidate tried on the device: what the plan predicted, what was measured, and how the trial ended
+    (:data:`MEASURED`, :data:`OUT_OF_MEMORY`, :data:`OVER_BUDGET` or ``"untried: <why>"``)."""
+
+    knobs: Any
+    predicted_seconds: float
+    predicted_peak_bytes: int
+    measured_seconds: float | None = None
+    measured_peak_bytes: int | None = None
+    outcome: str = "untried"
+
+    def fits(self, limit_bytes: int) -> bool:
+        return (
+            self.outcome == MEASURED
+            and self.measured_peak_bytes is not None
+            and self.measured_peak_bytes <= limit_bytes
+        )
+
+
+def trial_candidates(candidates: list[Candidate], most: int) -> list[Candidate]:
+    """The candidates to measure, at most ``most``, by predicted time: of those predicted to fit (unsharded, as the
+    live strategy runs them), the fastest, then the fastest of each kind (precision, attention kernel, micro-batched
+    or not, and the checkpointing modes used: none, full, selective, offload or a per-block mix), then the next
+    fastest.
+
+    Example::
+
+        >>> trial_candidates([], 6)
+        []
+    """
+
+    def price(candidate: Candidate) -> tuple[float, int]:
+        return candidate.cost.total, candidate.peak_bytes
+
+    fitting = sorted((c for c in candidates if c.fits and not c.knobs.sharding.active), key=price)
+    fastest_of_kind: dict[tuple[Any, ...], Candidate] = {}
+    for candidate in fitting:
+        fastest_of_kind.setdefault(_kind(candidate.knobs), candidate)
+    picked: dict[Any, Candidate] = {}
+    for candidate in [*fastest_of_kind.values(), *fitting]:  # the fastest is the first of its kind
+        picked.setdefault(candidate.knobs, candidate)
+    return sorted(list(picked.values())[: max(most, 0)], key=price)
+
+
+def _kind(knobs: Any) -> tuple[Any, ...]:
+    if knobs.checkpoint == "per_block":
+        modes = frozenset(mode for _, mode in knobs.checkpoint_blocks)
+    else:
+        modes = frozenset([knobs.checkpoint]) - {"none"}
+    return knobs.precision, knobs.attn_impl, knobs.micro_batch_size is not None, modes
+
+
+def measure_candidates(
+    model: nn.Module,
+    batch: Any,
+    candidates: list[Candidate],
+    limit_bytes: int,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: OptimizerSource | None = None,
+    device: torch.device | str | None = None,
+    blocks: Any = "auto",
+    steps: int = 3,
+    seconds: float = 60.0,
+) -> list[Measurement]:
+    """Each of ``candidates`` run on ``device`` (default: where ``model`` is): its peak over two steps and its
+    fastest of ``steps`` more. The first is always tried; those left once ``seconds`` have passed are reported
+    untried, and so are those predicted to need as much memory as one that ran out, or more than ``limit_bytes``
+    once their prediction is raised by the worst miss measured so far (measured peak over predicted). ``model`` and
+    every random number generator are left as they were."""
+    device = torch.device(device) if device is not None else next(model.parameters(), torch.empty(0)).device
+    started = time.perf_counter()
+    found: list[Measurement] = []
+    out_of_memory_at: int | None = None  # the smallest predicted peak that ran out of memory
+    miss = 1.0  # the most a measured peak exceeded its prediction, as a ratio
+    for candidate in candidates:
+        predicted = Measurement(candidate.knobs, candidate.cost.total, candidate.peak_bytes)
+        if found and time.perf_counter() - started > seconds:
+            found.append(_untried(predicted, f"untried: {seconds:g} s of measuring spent"))
+        elif out_of_memory_at is not None and candidate.peak_bytes >= out_of_memory_at:
+            found.append(_untried(predicted, "untried: predicted to need as much as one that ran out of memory"))
+        elif candidate.peak_bytes * miss > limit_bytes:
+            found.append(_untried(predicted, f"untried: over the limit by the measured miss (×{miss:.3f})"))
+        else:
+            trial = _Trial(model, batch, candidate.knobs, device, loss_fn, optimizer, blocks)
+            peak: int | None = None
+            try:
+                with random_state_kept():
+                    peak, step_seconds = trial.run(steps)
+            except torch.OutOfMemoryError:
+                pass  # released below, once the error (and the tensors its frames hold) is gone
+            trial.release()
+            if peak is None:
+                out_of_memory_at = min(candidate.peak_bytes, out_of_memory_at or candidate.peak_bytes)
+                found.append(_untried(predicted, OUT_OF_MEMORY))
+                continue
+            miss = max(miss, peak / max(candidate.peak_bytes, 1))
+            outcome = MEASURED if peak <= limit_bytes else OVER_BUDGET
+            found.append(
+                Measurement(candidate.knobs, candidate.cost.total, candidate.peak_bytes, step_seconds, peak, outcome)
+            )
+    return found
+
+
+def fastest_measured(measurements: list[Measurement], limit_bytes: int) -> Measurement | None:
+    """The measured candidate of the least step time whose measured peak fits ``limit_bytes``."""
+    fitting = [m for m in measurements if m.fits(limit_bytes)]
+    return min(fitting, key=lambda m: m.measured_seconds, default=None)
+
+
+def _untried(predicted: Measurement, outcome: str) -> Measurement:
+    return Measurement(predicted.knobs, predicted.predicted_seconds, predicted.predicted_peak_bytes, outcome=outcome)
+
+
+class _Trial:
+    """A copy of the model on the device with one candidate's knobs applied, and its optimizer."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Any,
+        knobs: Any,
+        device: torch.device,
+        loss_fn: LossFn | None,
+        optimizer: OptimizerSource | None,
+        blocks: Any,
+    ) -> None:
+        self.knobs, self.device = knobs, device
+        trainer = attached_trainer(model)
+        memo = {} if trainer is None else {id(trainer): None}  # no trial step reaches the run's trainer or loggers
+        with disable_current_modes():  # a copy of what the device holds already, not the step's allocations
+            self.model: nn.Module | None = copy.deepcopy(model, memo).to(device)
+        set_attention(self.model, knobs.attn_impl)
+        policy = knobs.checkpoint_policy(blocks)
+        if policy is not None:
+            with quiet_logger("lightning_memopt.checkpointing"):
+                apply_activation_checkpointing(self.model, policy)
+        self.step = training_step_fn(self.model, loss_fn)
+        self.optimizer: Any = build_optimizer(self.model, optimizer, None)
+        moved = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+        self.pieces = list(_micro_batches(moved, knobs.micro_batch_size))
+        half = _HALF.get(knobs.precision.split("-")[0])
+        self.autocast = (device.type, half, knobs.precision.endswith("-mixed"))
+        scaled = knobs.precision == "16-mixed" and device.type == "cuda"
+        self.scaler = torch.amp.GradScaler(device.type) if scaled else None
+
+    def run(self, steps: int) -> tuple[int, float]:
+        """The peak bytes over two steps, and the fastest of ``steps`` more in seconds."""
+        self.model.train()
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            for _ in range(2):
+                self._step()
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            tracker = MemoryTracker(round_to=512)
+            tracker.track_module(self.model)
+            tracker.track_optimizer(self.optimizer)
+            with tracker:
+                for _ in range(2):
+                    self._step()
+            tracker.remove_hooks()
+            peak = tracker.peak.total_bytes
+        fastest = float("inf")
+        for _ in range(steps):
+            if on_cuda:
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            self._step()
+            if on_cuda:
+                torch.cuda.synchronize(self.device)
+            fastest = min(fastest, time.perf_counter() - start)
+        return peak, fastest
+
+    def _step(self) -> None:
+        device_type, dtype, enabled = self.autocast
+        for piece, share in self.pieces:
+            with torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False), quiet_logging():
+                loss = self.step(piece) * share
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            del loss
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def release(self) -> None:
+        """Let go of the copy, its optimizer state and the batch: the device's memory back for the next trial."""
+        self.model = self.optimizer = self.step = None
+        self.pieces = []
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _micro_batches(batch: Any, size: int | None) -> Iterator[tuple[Any, float]]:
+    """The batch's micro-batches of ``size`` samples (the whole batch for ``None``), each with its share of it."""
+    total = batch_size(batch)
+    if size is None or size >= total:
+        yield batch, 1.0
+        return
+    for start in range(0, total, size):
+        stop = min(start + size, total)
+        yield slice_batch(batch, start, stop), (stop - start) / total
