@@ -1,8 +1,11 @@
-"""MemoryBudget: plan for the live model and device (at fit start, or ahead), apply it through callbacks it owns."""
+"""MemoryBudget: plan for the live model and device (at fit start, or ahead), apply it through callbacks it owns.
+
+Over 300 lines because the callback's docstring is its user reference (every argument, the strategies, the
+measured plans), and planning, agreeing on the plan across ranks and applying it are the steps of one hook.
+"""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -31,8 +34,8 @@ from lightning_memopt.planner import Knobs, Plan
 from lightning_memopt.planner import gpu as catalogue_gpu
 from lightning_memopt.planner.hardware import GpuName
 from lightning_memopt.planner.knobs import KnobsMapping
+from lightning_memopt.planner.measured import choose_by_measurement
 from lightning_memopt.planner.space import DEFAULT_SAFETY_MARGIN, check_safety_margin
-from lightning_memopt.planner.trials import fastest_measured, measure_candidates, trial_candidates
 from lightning_memopt.private_api import training_dataloader
 from lightning_memopt.random_state import random_state_kept
 from lightning_memopt.strategies import MemoptFSDPStrategy
@@ -82,8 +85,10 @@ class MemoryBudget(CallbackGroup):
         verbose: log every candidate weighed, not only the short report (the Pareto front, at most 10 rows).
         measure: time the candidates predicted to fit on the device the run trains on and choose the fastest
             measured whose measured peak fits (:mod:`~lightning_memopt.planner.trials`): ``"auto"`` (default) on
-            an accelerator, not on the CPU; ``True`` on any device; ``False`` never (the catalogue's price decides).
-            One device only for now: under DDP and ``fsdp_memopt`` the priced plan is applied.
+            an accelerator, not on the CPU; ``True`` on any device; ``False`` never (the catalogue's price decides);
+            ``"refresh"``: on any device, measuring again what earlier runs of the same model, batch and device
+            measured (:mod:`~lightning_memopt.planner.remembered`; otherwise they are reused). One device only for
+            now: under DDP and ``fsdp_memopt`` the priced plan is applied.
         measure_candidates: the most candidates measured.
         measure_steps: the timed steps per candidate (after two that measure its peak); the fastest counts.
         measure_seconds: the most seconds spent measuring; the candidates left are reported untried.
@@ -260,7 +265,7 @@ class MemoryBudget(CallbackGroup):
         return PlanOutcome(target, None if knobs is None else knobs.as_dict(), failure)
 
     def _measures(self, target: PlanTarget) -> bool:
-        wanted = target.device.type != "cpu" if self.measure == "auto" else self.measure
+        wanted = target.device.type != "cpu" if self.measure == "auto" else bool(self.measure)
         if wanted and (target.devices > 1 or target.fsdp):
             rank_zero_info(f"MemoryBudget: not measured on {target.describe()} (one device only, for now): priced")
             return False
@@ -269,23 +274,13 @@ class MemoryBudget(CallbackGroup):
     def _measured_choice(self, pl_module: LightningModule, batch: Any, target: PlanTarget) -> Knobs:
         """The candidates predicted to fit, timed on the device: the fastest measured that fits, else the one of
         the least predicted peak (under AdaptiveAccumulation, as every plan runs)."""
-        plan = self.plan
-        priced = plan.chosen
-        candidates = trial_candidates(plan.candidates, self.measure_candidates)
-        started = time.perf_counter()
-        plan.measurements = measure_candidates(
-            pl_module, batch, candidates, plan.limit_bytes, device=target.device, blocks=self.blocks,
-            steps=self.measure_steps, seconds=self.measure_seconds,
+        report = choose_by_measurement(
+            self.plan, pl_module, batch, target.device, blocks=self.blocks, most=self.measure_candidates,
+            steps=self.measure_steps, seconds=self.measure_seconds, refresh=self.measure == "refresh",
+            devices=target.devices,
         )  # fmt: skip
-        plan.measure_seconds = time.perf_counter() - started
-        fastest = fastest_measured(plan.measurements, plan.limit_bytes)
-        if fastest is not None:
-            plan.chosen = next(c for c in candidates if c.knobs == fastest.knobs)
-        else:  # AdaptiveAccumulation (always applied) halves its micro-batches if even this runs out of memory
-            unsharded = [c for c in plan.candidates if c.fits and not c.knobs.sharding.active]
-            plan.chosen = min(unsharded, key=lambda c: (c.peak_bytes, c.cost.total))
-        rank_zero_info(f"MemoryBudget: {plan.measured_report(priced)}")
-        return plan.chosen.knobs
+        rank_zero_info(f"MemoryBudget: {report}")
+        return self.plan.chosen.knobs
 
     def _batch(self, trainer: Trainer) -> Any:
         if self.sample_batch is not None:
@@ -360,9 +355,11 @@ class MemoryBudget(CallbackGroup):
 
 
 def _check_measure(value: Any) -> bool | str:
-    if value == "auto":
+    if value in ("auto", "refresh"):
         return value
     try:
         return check_bool("measure", value)
     except (TypeError, ValueError):
-        raise ValueError(f"`measure`={value!r} is not one of the valid choices: 'auto', True, False") from None
+        raise ValueError(
+            f"`measure`={value!r} is not one of the valid choices: 'auto', 'refresh', True, False"
+        ) from None

@@ -30,8 +30,9 @@ if TYPE_CHECKING:
     from lightning_memopt.planner import Plan
 
 
-def plan_config(cfg: DictConfig, overrides: list[str]) -> tuple[Plan, list[str]]:
-    """Plan ``cfg`` (composed from ``overrides``); returns the plan and the overrides that reproduce the config."""
+def plan_config(cfg: DictConfig, overrides: list[str]) -> tuple[Plan, list[str], str | None]:
+    """Plan ``cfg`` (composed from ``overrides``); returns the plan, the overrides that reproduce the config, and
+    with ``plan.measure`` the report of the candidates measured on this machine's device."""
     from lightning_memopt.cli.plan_config import (
         FAMILY_DATA,
         family,
@@ -50,9 +51,11 @@ def plan_config(cfg: DictConfig, overrides: list[str]) -> tuple[Plan, list[str]]
     hardware = gpu(cfg.gpu)
     if cfg.budget is not None:
         hardware = with_budget(hardware, check_float("budget", cfg.budget, minimum=0.0, open_minimum=True))
+    measuring = _measure(cfg.plan.get("measure", False))
+    batch = first_batch(cfg)
     result = plan(
         lambda: instantiate_model(cfg.model),
-        first_batch(cfg),
+        batch,
         hardware,
         safety_margin=cfg.safety_margin,
         devices=cfg.devices,
@@ -60,8 +63,33 @@ def plan_config(cfg: DictConfig, overrides: list[str]) -> tuple[Plan, list[str]]
         progress=True,
         verify=check_int("plan.verify", cfg.plan.verify, minimum=0),
         blocks=_blocks(cfg.plan.blocks),
+        every_kind=bool(measuring),
     )
-    return result, overrides
+    report = None
+    if measuring and result.chosen is not None:
+        import torch
+
+        from lightning_memopt.planner.measured import choose_by_measurement
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        measured = choose_by_measurement(
+            result, instantiate_model(cfg.model), batch, device, blocks=_blocks(cfg.plan.blocks),
+            most=check_int("plan.measure_candidates", cfg.plan.measure_candidates, minimum=1),
+            steps=check_int("plan.measure_steps", cfg.plan.measure_steps, minimum=1),
+            seconds=check_float("plan.measure_seconds", cfg.plan.measure_seconds, minimum=0.0, open_minimum=True),
+            refresh=measuring == "refresh",
+        )  # fmt: skip
+        report = f"measured on {device.type}: {measured}"
+    return result, overrides, report
+
+
+def _measure(value: object) -> bool | str:
+    if value == "refresh":
+        return value
+    try:
+        return check_bool("plan.measure", value)
+    except (TypeError, ValueError):
+        raise ValueError(f"`plan.measure`={value!r} is not one of the valid choices: true, false, refresh") from None
 
 
 def _blocks(blocks: object) -> object:
@@ -76,8 +104,10 @@ def _plan_app(cfg: DictConfig) -> float:
     from lightning_memopt.planner.command import train_command
 
     with input_errors("memopt-plan", building=True):
-        result, overrides = plan_config(cfg, list(HydraConfig.get().overrides.task))
+        result, overrides, measured = plan_config(cfg, list(HydraConfig.get().overrides.task))
     print(result.table(verbose=bool(cfg.plan.get("verbose", False))), flush=True)
+    if measured is not None:
+        print(measured, flush=True)
     if cfg.plan.png:
         result.write_chart(cfg.plan.png)
         print(f"wrote {cfg.plan.png}", flush=True)

@@ -22,7 +22,6 @@ from lightning_memopt.memory.tracker import allocating_on_host
 from lightning_memopt.private_api import CPU_FLASH_ATTENTION_OPS, TorchDispatchMode, same_memory, tree_flatten
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
-_TO_COPY = torch.ops.aten._to_copy
 _CONVOLUTIONS = ("convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution")  # forward and backward
 _NOT_KERNELS = frozenset({"detach", "alias", "lift_fresh", "_to_copy_noop"})
 _COPY = torch.ops.aten.copy_.default
@@ -121,7 +120,7 @@ class WorkCounter(TorchDispatchMode):
         written = sum(t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         work.bytes_written += written
         work.kernels += 1
-        if packet is _TO_COPY and _casts(args[0], out):
+        if packet.__name__ == "_to_copy" and _casts(args[0], out):
             work.cast_kernels += 1
             work.cast_bytes += written
         formula = self._formulas.get(packet)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import platform
 import time
 from collections.abc import Callable
@@ -23,12 +22,12 @@ from pathlib import Path
 
 import torch
 
+from lightning_memopt.cache import cache_folder
 from lightning_memopt.planner.hardware import Hardware
 from lightning_memopt.planner.host import measure_host
 from lightning_memopt.private_api import disable_current_modes
 from lightning_memopt.vocabulary import GB, MIB
 
-CACHE_VARIABLE = "LIGHTNING_MEMOPT_CACHE"  # the folder of cpu_rates.json; default ~/.cache/lightning_memopt
 _MEASURED: dict[str, Hardware] = {}  # this process's: the file is read once
 # 2: region costs per wrapped call and per forward op (1: per forward kernel, which rates of 1 must not be read as)
 RATES_VERSION = 2
@@ -76,8 +75,7 @@ def _processor() -> str:
 
 def cache_path() -> Path:
     """Where the measured rates are kept."""
-    folder = os.environ.get(CACHE_VARIABLE) or Path.home() / ".cache" / "lightning_memopt"
-    return Path(folder) / "cpu_rates.json"
+    return cache_folder() / "cpu_rates.json"
 
 
 def _read_cache(key: str) -> Hardware | None:

@@ -171,10 +171,12 @@ class Plan:
     def measured_report(self, priced: Candidate | None) -> str:
         """The candidates timed on the device beside their prices, what was chosen and what the price alone chose."""
         unit, scale = ("GiB", GIB) if self.hardware.memory_bytes >= GIB else ("MiB", MIB)
+        recalled = sum(m.remembered for m in self.measurements)
         lines = [
-            f"measured {sum(m.measured_seconds is not None for m in self.measurements)} of "
-            f"{len(self.measurements)} candidates on the device in {self.measure_seconds or 0:.1f} s "
-            f"(plan within {self.limit_bytes / scale:.2f} {unit})",
+            f"tried {sum(not m.remembered and not m.outcome.startswith('untried') for m in self.measurements)} of "
+            f"{len(self.measurements)} candidates on the device in {self.measure_seconds or 0:.1f} s"
+            + (f", {recalled} remembered from an earlier run" if recalled else "")
+            + f" (plan within {self.limit_bytes / scale:.2f} {unit})",
             f"{'':2}{'candidate':<44}{'priced s':>10}{'measured s':>12}{'peak ' + unit:>11}{'measured':>10}  outcome",
         ]
         for measured in self.measurements:
@@ -184,7 +186,11 @@ class Plan:
             lines.append(
                 f"{mark:<2}{measured.knobs.describe():<44}{measured.predicted_seconds:>10.4f}{seconds:>12}"
                 f"{measured.predicted_peak_bytes / scale:>11.2f}{peak:>10}  {measured.outcome}"
+                + (" (remembered)" if measured.remembered else "")
             )
+        sharded = sum(c.fits and c.knobs.sharding.active for c in self.candidates)
+        if sharded:
+            lines.append(f"{sharded} sharded or offloaded candidates that fit are not trialled (FSDP: not in a trial)")
         chosen = "—" if self.chosen is None else self.chosen.knobs.describe()
         if not any(measured.fits(self.limit_bytes) for measured in self.measurements):
             verdict = (

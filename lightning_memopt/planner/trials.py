@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,15 @@ class Measurement:
     measured_seconds: float | None = None
     measured_peak_bytes: int | None = None
     outcome: str = "untried"
+    remembered: bool = False  # recalled from an earlier run's trial (planner.remembered), not run now
+
+    @classmethod
+    def of(
+        cls, candidate: Candidate, seconds: float | None, peak: int | None, limit_bytes: int, remembered: bool = False
+    ) -> Measurement:
+        """``candidate`` tried: a step of ``seconds`` and a ``peak`` (``None``: it ran out of memory)."""
+        outcome = OUT_OF_MEMORY if peak is None else MEASURED if peak <= limit_bytes else OVER_BUDGET
+        return cls(candidate.knobs, candidate.cost.total, candidate.peak_bytes, seconds, peak, outcome, remembered)
 
     def fits(self, limit_bytes: int) -> bool:
         return (
@@ -116,12 +125,15 @@ def measure_candidates(
     blocks: Any = "auto",
     steps: int = 3,
     seconds: float = 60.0,
+    remembered: Mapping[Any, tuple[float | None, int | None]] | None = None,
 ) -> list[Measurement]:
     """Each of ``candidates`` run on ``device`` (default: where ``model`` is): its peak over two steps and its
     fastest of ``steps`` more. The first is always tried; those left once ``seconds`` have passed are reported
     untried, and so are those predicted to need as much memory as one that ran out, or more than ``limit_bytes``
-    once their prediction is raised by the worst miss measured so far (measured peak over predicted). ``model`` and
-    every random number generator are left as they were."""
+    once their prediction is raised by the worst miss measured so far (measured peak over predicted). Candidates
+    whose knobs ``remembered`` maps to an earlier trial's seconds and peak are not run again. ``model`` and every
+    random number generator are left as they were."""
+    remembered = remembered or {}
     device = torch.device(device) if device is not None else next(model.parameters(), torch.empty(0)).device
     started = time.perf_counter()
     found: list[Measurement] = []
@@ -129,7 +141,10 @@ def measure_candidates(
     miss = 1.0  # the most a measured peak exceeded its prediction, as a ratio
     for candidate in candidates:
         predicted = Measurement(candidate.knobs, candidate.cost.total, candidate.peak_bytes)
-        if found and time.perf_counter() - started > seconds:
+        if candidate.knobs in remembered:
+            recalled_seconds, recalled_peak = remembered[candidate.knobs]
+            found.append(Measurement.of(candidate, recalled_seconds, recalled_peak, limit_bytes, remembered=True))
+        elif found and time.perf_counter() - started > seconds:
             found.append(_untried(predicted, f"untried: {seconds:g} s of measuring spent"))
         elif out_of_memory_at is not None and candidate.peak_bytes >= out_of_memory_at:
             found.append(_untried(predicted, "untried: predicted to need as much as one that ran out of memory"))
@@ -144,15 +159,12 @@ def measure_candidates(
             except torch.OutOfMemoryError:
                 pass  # released below, once the error (and the tensors its frames hold) is gone
             trial.release()
-            if peak is None:
-                out_of_memory_at = min(candidate.peak_bytes, out_of_memory_at or candidate.peak_bytes)
-                found.append(_untried(predicted, OUT_OF_MEMORY))
-                continue
-            miss = max(miss, peak / max(candidate.peak_bytes, 1))
-            outcome = MEASURED if peak <= limit_bytes else OVER_BUDGET
-            found.append(
-                Measurement(candidate.knobs, candidate.cost.total, candidate.peak_bytes, step_seconds, peak, outcome)
-            )
+            found.append(Measurement.of(candidate, None if peak is None else step_seconds, peak, limit_bytes))
+        latest = found[-1]
+        if latest.outcome == OUT_OF_MEMORY:
+            out_of_memory_at = min(candidate.peak_bytes, out_of_memory_at or candidate.peak_bytes)
+        elif latest.measured_peak_bytes is not None:
+            miss = max(miss, latest.measured_peak_bytes / max(candidate.peak_bytes, 1))
     return found
 
 

@@ -9,6 +9,7 @@ from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_memopt import ActivationCheckpointing, AdaptiveAccumulation, MemoryBudget, PrecisionSwitch
+from lightning_memopt.cache import CACHE_VARIABLE
 from lightning_memopt.callbacks import memory_budget
 from lightning_memopt.cli.config import config_dir
 from lightning_memopt.memory import SimulatedDevice
@@ -106,7 +107,7 @@ def test_nothing_fitting_is_an_error_with_the_table(tmp_path):
         ({"knobs": {"cpu_offload": "maybe"}}, "`cpu_offload` must be true or false, got 'maybe' (str)"),
         ({"blocks": 12}, "`blocks`=12 must be 'auto'"),
         ({"blocks": ["layers.*", 3]}, "`blocks` entry 3 must be a module class, a dotted class path or a name glob"),
-        ({"measure": "refresh"}, "`measure`='refresh' is not one of the valid choices: 'auto', True, False"),
+        ({"measure": "again"}, "`measure`='again' is not one of the valid choices: 'auto', 'refresh', True, False"),
         ({"measure_candidates": 0}, "`measure_candidates` must be an integer ≥ 1, got 0"),
         ({"measure_steps": 0}, "`measure_steps` must be an integer ≥ 1, got 0"),
         ({"measure_seconds": 0}, "`measure_seconds`"),
@@ -346,7 +347,7 @@ def test_measured_plans_choose_the_fastest_measured_that_fits_and_leave_the_run_
     assert len(plan.measurements) == 3 and plan.measure_seconds > 0
     fitting = [m for m in plan.measurements if m.outcome == "measured" and m.measured_peak_bytes <= plan.limit_bytes]
     assert fitting and measured.knobs == min(fitting, key=lambda m: m.measured_seconds).knobs
-    assert "measured 3 of 3 candidates on the device" in plan.measured_report(None)
+    assert "tried 3 of 3 candidates on the device" in plan.measured_report(None)
     given = _fit_dropout_net(MemoryBudget(knobs=measured.knobs.as_dict()), tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(trained.parameters(), given.parameters(), strict=True))
 
@@ -358,7 +359,7 @@ def test_auto_measures_off_the_cpu_only(tmp_path):
 
 
 def test_a_trial_out_of_memory_ends_that_trial_alone_and_the_run_trains_what_fits(tmp_path):
-    budget = MemoryBudget(budget=0.5 / 1024, safety_margin=0.0, measure=True)
+    budget = MemoryBudget(budget=0.5 / 1024, safety_margin=0.0, measure="refresh")  # not an earlier test's
     with SimulatedDevice(450 * 1024) as device:  # 32-true's step needs more; the rest fit
         module = _fit_dropout_net(budget, tmp_path)
     outcomes = {m.knobs.describe(): m.outcome for m in budget.plan.measurements}
@@ -370,7 +371,7 @@ def test_a_trial_out_of_memory_ends_that_trial_alone_and_the_run_trains_what_fit
 def test_when_every_trial_runs_out_of_memory_the_least_predicted_peak_trains_under_adaptive_accumulation(
     tmp_path, caplog
 ):
-    budget = MemoryBudget(budget=0.5 / 1024, safety_margin=0.0, measure=True)
+    budget = MemoryBudget(budget=0.5 / 1024, safety_margin=0.0, measure="refresh")  # not an earlier test's
     with SimulatedDevice(340 * 1024):
         module = _fit_dropout_net(budget, tmp_path)
     assert not any(m.fits(budget.plan.limit_bytes) for m in budget.plan.measurements)
@@ -379,3 +380,23 @@ def test_when_every_trial_runs_out_of_memory_the_least_predicted_peak_trains_und
     assert "nothing measured fits" in caplog.text
     accumulation = next(c for c in budget.callbacks if isinstance(c, AdaptiveAccumulation))
     assert accumulation.sizer.size < budget.knobs.micro_batch_size and module.trainer.global_step == 6
+
+
+def test_a_rerun_of_the_same_model_batch_and_device_measures_nothing_and_refresh_measures_again(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))
+    first = MemoryBudget(budget=0.5 / 1024, safety_margin=0.0, measure=True, measure_candidates=3)
+    _fit_dropout_net(first, tmp_path)
+    assert (tmp_path / "cache" / "measurements.json").is_file()
+    assert not any(m.remembered for m in first.plan.measurements)
+    again = MemoryBudget(budget=0.5 / 1024, safety_margin=0.0, measure=True, measure_candidates=3)
+    _fit_dropout_net(again, tmp_path)
+    assert [(m.knobs, m.measured_seconds, m.measured_peak_bytes) for m in again.plan.measurements] == [
+        (m.knobs, m.measured_seconds, m.measured_peak_bytes) for m in first.plan.measurements
+    ]
+    assert all(m.remembered for m in again.plan.measurements) and again.knobs == first.knobs
+    assert "tried 0 of 3 candidates on the device" in caplog.text and "3 remembered from an earlier run" in caplog.text
+    refreshed = MemoryBudget(budget=0.5 / 1024, safety_margin=0.0, measure="refresh", measure_candidates=3)
+    _fit_dropout_net(refreshed, tmp_path)
+    assert not any(m.remembered for m in refreshed.plan.measurements)

@@ -27,6 +27,17 @@ def test_memopt_auto_plans_before_the_trainer_and_setup_applies_that_plan(compos
     assert logged["memopt/plan/precision"] == planned.precision and logged["memopt/plan/fits"] is True
 
 
+def test_memopt_auto_measures_by_the_same_rule_and_logs_how_long_it_took(compose_train):
+    measure = "memopt.callbacks.memory_budget.measure"
+    overrides = [f"{_BUDGET}=1.0", f"{measure}=true", f"{measure}_candidates=2", "logger=csv"]
+    run = build_run(compose_train(*NORMALS, "memopt=auto", *overrides))
+    (budget,) = [c for c in run.trainer.callbacks if isinstance(c, MemoryBudget)]
+    measured = budget.plan.measurements
+    assert len(measured) == 2 and budget.plan.chosen.knobs in {m.knobs for m in measured if m.outcome == "measured"}
+    fit(run)
+    assert run.trainer.logger.experiment.hparams["memopt/plan_measure_seconds"] == round(budget.plan.measure_seconds, 3)
+
+
 def test_given_knobs_are_not_planned(compose_train):
     run = build_run(compose_train(*NORMALS, "memopt=planned"))
     (budget,) = [c for c in run.trainer.callbacks if isinstance(c, MemoryBudget)]

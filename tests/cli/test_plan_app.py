@@ -28,11 +28,23 @@ def test_memopt_plan_prints_the_candidates_the_choice_and_its_command_and_writes
     assert (tmp_path / "plan.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
+def test_memopt_plan_measures_on_the_machine_it_runs_on_when_asked(tmp_path):
+    measuring = ["plan.measure=refresh", "plan.measure_candidates=2", "plan.options=false"]
+    result = _memopt_plan([*TINY_PLAN, "budget=0.05", *measuring], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "measured on cpu: tried 2 of 2 candidates on the device" in out
+    chosen = out.split("chosen by measurement: ")[1].split("\n")[0].split(" (the price")[0].split(", as the price")[0]
+    assert f"precision={chosen.split(',')[0]}" in out.split("run it with:\n")[1]
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
         ("gpu=a6000", "Unknown `gpu`='a6000'; valid names: v100_16gb, v100_32gb, t4_16gb"),
         ("budget=0.00005", "is smaller than the model states alone"),  # (offloaded, 0.5 MiB is planned)
+        ("plan.measure=maybe", "`plan.measure`='maybe' is not one of the valid choices: true, false, refresh"),
     ],
 )
 def test_memopt_plan_names_bad_input(tmp_path, override, message):

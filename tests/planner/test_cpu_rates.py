@@ -6,19 +6,20 @@ import json
 
 import pytest
 
+from lightning_memopt.cache import CACHE_VARIABLE
 from lightning_memopt.planner import calibration
 from tests.conftest import RATES_CACHE_VARIABLE
 
 
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(calibration.CACHE_VARIABLE, str(tmp_path))
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path))
     monkeypatch.setattr(calibration, "_MEASURED", {})
     return tmp_path / "cpu_rates.json"
 
 
 def test_the_test_run_keeps_its_own_cache():
-    assert RATES_CACHE_VARIABLE == calibration.CACHE_VARIABLE
+    assert RATES_CACHE_VARIABLE == CACHE_VARIABLE
     assert calibration.cache_path().parent.name.startswith("memopt_rates_")
 
 

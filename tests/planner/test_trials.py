@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_memopt.memory import SimulatedDevice
 from lightning_memopt.planner import measure_cpu, plan
+from lightning_memopt.planner.remembered import TrialMemory, trial_key
 from lightning_memopt.planner.trials import (
     MEASURED,
     OUT_OF_MEMORY,
@@ -158,3 +159,27 @@ def test_no_group_is_pruned_that_holds_a_cheaper_step(hardware, half_over_full, 
     for knobs, bound in pruned.skipped:
         assert bound <= cheapest.get((knobs.precision, knobs.micro_batch_size), float("inf")) * (1 + 1e-9)
     assert pruned.chosen.knobs == every.chosen.knobs
+
+
+def test_the_key_of_remembered_trials_follows_the_model_the_batch_and_the_device_count():
+    model, cpu = _model(), torch.device("cpu")
+    key = trial_key(model, BATCH, cpu)
+    assert trial_key(_model(), BATCH.clone(), cpu) == key  # other values, the same structure
+    wider = nn.Sequential(nn.BatchNorm1d(32), *[_Block(32) for _ in range(3)], _Block(32), nn.Linear(32, 2))
+    assert len({key, trial_key(wider, BATCH, cpu), trial_key(model, BATCH[:128], cpu)}) == 3
+    assert len({key, trial_key(model, BATCH.double(), cpu), trial_key(model, BATCH, cpu, devices=2)}) == 3
+
+
+def test_remembered_trials_are_not_run_again_and_their_peaks_are_weighed_against_the_new_limit(planned, tmp_path):
+    memory, key = TrialMemory(tmp_path / "measurements.json"), "a key"
+    candidates = trial_candidates(planned.candidates, 2)
+    found = measure_candidates(_model(), BATCH, candidates, planned.limit_bytes, **OPTIONS)
+    memory.remember(key, found)
+    remembered = memory.recall(key, [c.knobs for c in candidates])
+    limit = found[0].measured_peak_bytes - 1
+    again = measure_candidates(None, BATCH, candidates, limit, device="cpu", remembered=remembered, **OPTIONS)
+    assert [(m.measured_seconds, m.measured_peak_bytes) for m in again] == [
+        (m.measured_seconds, m.measured_peak_bytes) for m in found
+    ]
+    assert all(m.remembered for m in again) and again[0].outcome == OVER_BUDGET
+    assert memory.recall("another key", [c.knobs for c in candidates]) == {}
