@@ -6,6 +6,7 @@ measured plans), and planning, agreeing on the plan across ranks and applying it
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -34,7 +35,13 @@ from lightning_memopt.planner import Knobs, Plan
 from lightning_memopt.planner import gpu as catalogue_gpu
 from lightning_memopt.planner.hardware import GpuName
 from lightning_memopt.planner.knobs import KnobsMapping
-from lightning_memopt.planner.measured import choose_by_measurement
+from lightning_memopt.planner.measured import (
+    NOT_TRIALLED,
+    choose_by_measurement,
+    choose_measured,
+    run_trials,
+    trials_of,
+)
 from lightning_memopt.planner.space import DEFAULT_SAFETY_MARGIN, check_safety_margin
 from lightning_memopt.private_api import training_dataloader
 from lightning_memopt.random_state import random_state_kept
@@ -87,8 +94,9 @@ class MemoryBudget(CallbackGroup):
             measured whose measured peak fits (:mod:`~lightning_memopt.planner.trials`): ``"auto"`` (default) on
             an accelerator, not on the CPU; ``True`` on any device; ``False`` never (the catalogue's price decides);
             ``"refresh"``: on any device, measuring again what earlier runs of the same model, batch and device
-            measured (:mod:`~lightning_memopt.planner.remembered`; otherwise they are reused). One device only for
-            now: under DDP and ``fsdp_memopt`` the priced plan is applied.
+            measured (:mod:`~lightning_memopt.planner.remembered`; otherwise they are reused). Under DDP every rank runs
+            the same trials (an OOM on any rank counts on all, the slowest rank's time counts); under
+            ``fsdp_memopt`` the priced plan is applied (a trial cannot shard).
         measure_candidates: the most candidates measured.
         measure_steps: the timed steps per candidate (after two that measure its peak); the fastest counts.
         measure_seconds: the most seconds spent measuring; the candidates left are reported untried.
@@ -143,6 +151,7 @@ class MemoryBudget(CallbackGroup):
         self.blocks = blocks
         self.plan: Plan | None = None
         self._ahead: PlanOutcome | None = None  # planned before the Trainer existed (rank 0)
+        self._measured_later = False  # rank 0's plan is to be measured on every rank (DDP)
         self._attention: dict[str, str] = {}
 
     @property
@@ -241,10 +250,41 @@ class MemoryBudget(CallbackGroup):
             knobs, failure, cause = outcome.knobs, outcome.failure, outcome.cause
         self._ahead = None
         # every rank learns the outcome, so none waits on a rank that failed
-        knobs, failure = trainer.strategy.broadcast((knobs, failure))
+        knobs, failure, measured = trainer.strategy.broadcast((knobs, failure, self._measured_later))
         if knobs is None:
             raise MisconfigurationException(f"MemoryBudget: {failure}") from cause
+        if measured:
+            return self._measured_on_every_rank(trainer, pl_module)
         return Knobs(**knobs)
+
+    def _measured_on_every_rank(self, trainer: Trainer, pl_module: LightningModule) -> Knobs:
+        """Rank 0's trials run on every rank (each on its own device and first batch), their outcomes agreed on
+        (an OOM on any rank is one on all, the time the slowest rank's), and rank 0's choice broadcast."""
+        strategy, first = trainer.strategy, trainer.is_global_zero
+        device = strategy.root_device
+
+        def agree(values: list[float]) -> list[float]:
+            return strategy.reduce(torch.tensor(values, dtype=torch.float64, device=device), reduce_op="max").tolist()
+
+        with random_state_kept():
+            batch = self._batch(trainer)
+            started = time.perf_counter()
+            options = {"most": self.measure_candidates, "refresh": self.measure == "refresh"}
+            trials = (
+                trials_of(self.plan, pl_module, batch, device, devices=trainer.world_size, **options) if first else None
+            )
+            trials = strategy.broadcast(trials)
+            if not trials.candidates:
+                rank_zero_info(f"MemoryBudget: {NOT_TRIALLED}")
+            else:
+                measurements = run_trials(
+                    trials, pl_module, batch, device, blocks=self.blocks, steps=self.measure_steps,
+                    seconds=self.measure_seconds, agree=agree,
+                )  # fmt: skip
+                if first:
+                    report = choose_measured(self.plan, trials, measurements, time.perf_counter() - started)
+                    rank_zero_info(f"MemoryBudget: on every rank, {report}")
+        return Knobs(**strategy.broadcast(self.plan.chosen.knobs.as_dict() if first else None))
 
     def _outcome(self, pl_module: LightningModule, batch: Any, target: PlanTarget) -> PlanOutcome:
         """Plan for ``target`` on ``batch()``: a failure of any kind is the outcome's (told to every rank in setup)."""
@@ -258,7 +298,8 @@ class MemoryBudget(CallbackGroup):
                 self.plan, knobs, failure = plan_for_target(
                     pl_module, sample, hardware, target, verbose=self.verbose, every_kind=measuring, **options
                 )
-                if knobs is not None and measuring:
+                self._measured_later = knobs is not None and measuring and target.devices > 1  # on every rank
+                if knobs is not None and measuring and target.devices == 1:
                     knobs = self._measured_choice(pl_module, sample, target)
         except Exception as error:  # noqa: BLE001 (told to every rank, re-raised there as the cause)
             return PlanOutcome.failed(target, error)
@@ -266,18 +307,17 @@ class MemoryBudget(CallbackGroup):
 
     def _measures(self, target: PlanTarget) -> bool:
         wanted = target.device.type != "cpu" if self.measure == "auto" else bool(self.measure)
-        if wanted and (target.devices > 1 or target.fsdp):
-            rank_zero_info(f"MemoryBudget: not measured on {target.describe()} (one device only, for now): priced")
+        if wanted and target.fsdp:
+            rank_zero_info(f"MemoryBudget: not measured on {target.describe()} (a trial cannot shard): priced")
             return False
         return wanted
 
     def _measured_choice(self, pl_module: LightningModule, batch: Any, target: PlanTarget) -> Knobs:
-        """The candidates predicted to fit, timed on the device: the fastest measured that fits, else the one of
-        the least predicted peak (under AdaptiveAccumulation, as every plan runs)."""
+        """On one device: the candidates predicted to fit, timed there; the fastest measured that fits, else the
+        one of the least predicted peak (under AdaptiveAccumulation, as every plan runs)."""
         report = choose_by_measurement(
             self.plan, pl_module, batch, target.device, blocks=self.blocks, most=self.measure_candidates,
             steps=self.measure_steps, seconds=self.measure_seconds, refresh=self.measure == "refresh",
-            devices=target.devices,
         )  # fmt: skip
         rank_zero_info(f"MemoryBudget: {report}")
         return self.plan.chosen.knobs

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,13 +126,18 @@ def measure_candidates(
     steps: int = 3,
     seconds: float = 60.0,
     remembered: Mapping[Any, tuple[float | None, int | None]] | None = None,
+    agree: Callable[[list[float]], list[float]] | None = None,
 ) -> list[Measurement]:
     """Each of ``candidates`` run on ``device`` (default: where ``model`` is): its peak over two steps and its
     fastest of ``steps`` more. The first is always tried; those left once ``seconds`` have passed are reported
     untried, and so are those predicted to need as much memory as one that ran out, or more than ``limit_bytes``
     once their prediction is raised by the worst miss measured so far (measured peak over predicted). Candidates
     whose knobs ``remembered`` maps to an earlier trial's seconds and peak are not run again. ``model`` and every
-    random number generator are left as they were."""
+    random number generator are left as they were.
+
+    On several ranks, each runs the same candidates and ``agree`` takes each rank's values to their maxima (an
+    all-reduce): whether time is up, and each trial's ran-out-of-memory flag, seconds and peak — a candidate that
+    ran out on one rank ran out on all, its time is the slowest rank's, and every rank decides alike."""
     remembered = remembered or {}
     device = torch.device(device) if device is not None else next(model.parameters(), torch.empty(0)).device
     started = time.perf_counter()
@@ -144,7 +149,7 @@ def measure_candidates(
         if candidate.knobs in remembered:
             recalled_seconds, recalled_peak = remembered[candidate.knobs]
             found.append(Measurement.of(candidate, recalled_seconds, recalled_peak, limit_bytes, remembered=True))
-        elif found and time.perf_counter() - started > seconds:
+        elif _agreed(agree, [float(bool(found) and time.perf_counter() - started > seconds)])[0] > 0:
             found.append(_untried(predicted, f"untried: {seconds:g} s of measuring spent"))
         elif out_of_memory_at is not None and candidate.peak_bytes >= out_of_memory_at:
             found.append(_untried(predicted, "untried: predicted to need as much as one that ran out of memory"))
@@ -153,12 +158,15 @@ def measure_candidates(
         else:
             trial = _Trial(model, batch, candidate.knobs, device, loss_fn, optimizer, blocks)
             peak: int | None = None
+            step_seconds = 0.0
             try:
                 with random_state_kept():
                     peak, step_seconds = trial.run(steps)
             except torch.OutOfMemoryError:
                 pass  # released below, once the error (and the tensors its frames hold) is gone
             trial.release()
+            ran_out, step_seconds, highest = _agreed(agree, [float(peak is None), step_seconds, float(peak or 0)])
+            peak = None if ran_out > 0 else int(highest)
             found.append(Measurement.of(candidate, None if peak is None else step_seconds, peak, limit_bytes))
         latest = found[-1]
         if latest.outcome == OUT_OF_MEMORY:
@@ -166,6 +174,10 @@ def measure_candidates(
         elif latest.measured_peak_bytes is not None:
             miss = max(miss, latest.measured_peak_bytes / max(candidate.peak_bytes, 1))
     return found
+
+
+def _agreed(agree: Callable[[list[float]], list[float]] | None, values: list[float]) -> list[float]:
+    return values if agree is None else agree(values)
 
 
 def fastest_measured(measurements: list[Measurement], limit_bytes: int) -> Measurement | None:
