@@ -1,9 +1,9 @@
 """Two CPU ranks (gloo) fit under MemoryBudget: rank 0 plans, both apply its knobs (or both raise its error).
 
-python tests/callbacks/memory_budget_ddp_run.py OUT_DIR BUDGET_MIB [RANK1_DEVICE_MIB]   # writes OUT_DIR/rank{0,1}.pt
+python tests/callbacks/memory_budget_ddp_run.py OUT_DIR BUDGET_MIB [measure]   # writes OUT_DIR/rank{0,1}.pt
 
-With RANK1_DEVICE_MIB the plan is measured on both ranks, rank 1's trials on a simulated device of that many MiB
-(what its trial steps allocate counts; the copy of the model does not): a trial may run out of memory there alone.
+With ``measure`` the plan is measured on both ranks, and rank 1 runs its first trial on a simulated device of one
+byte: that trial runs out of memory there alone.
 """
 
 import os
@@ -19,21 +19,23 @@ from tests.callbacks.test_memory_budget import _loader, _module
 from tests.helpers import quiet_trainer
 
 
-def _simulate_a_smaller_device(mib: float) -> None:
-    run = trials._Trial.run
+def _first_trial_out_of_memory() -> None:
+    run, tried = trials._Trial.run, []
 
-    def on_the_smaller_device(self, steps):
-        with SimulatedDevice(int(mib * 2**20)):
+    def first_on_a_full_device(self, steps):
+        tried.append(self.knobs)
+        if len(tried) > 1:
+            return run(self, steps)
+        with SimulatedDevice(1):
             return run(self, steps)
 
-    trials._Trial.run = on_the_smaller_device
+    trials._Trial.run = first_on_a_full_device
 
 
-def main(out_dir: str, budget_mib: float, rank1_device_mib: float | None) -> None:
-    measure = rank1_device_mib is not None
+def main(out_dir: str, budget_mib: float, measure: bool) -> None:
     if measure and os.environ.get("LOCAL_RANK", "0") == "1":
-        _simulate_a_smaller_device(rank1_device_mib)
-    budget = MemoryBudget(budget=budget_mib / 1024, measure="refresh" if measure else False)
+        _first_trial_out_of_memory()
+    budget = MemoryBudget(budget=budget_mib / 1024, measure="refresh" if measure else False, measure_candidates=12)
     trainer = quiet_trainer(strategy="ddp", devices=2, max_steps=2, callbacks=[budget])
     module = _module()
     try:
@@ -53,4 +55,4 @@ def main(out_dir: str, budget_mib: float, rank1_device_mib: float | None) -> Non
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else None)
+    main(sys.argv[1], float(sys.argv[2]), sys.argv[3:] == ["measure"])
