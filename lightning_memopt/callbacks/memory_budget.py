@@ -275,7 +275,7 @@ class MemoryBudget(CallbackGroup):
             )
             trials = strategy.broadcast(trials)
             if not trials.candidates:
-                rank_zero_info(f"MemoryBudget: {NOT_TRIALLED}")
+                self._log_measured(NOT_TRIALLED)
             else:
                 measurements = run_trials(
                     trials, pl_module, batch, device, blocks=self.blocks, steps=self.measure_steps,
@@ -283,7 +283,7 @@ class MemoryBudget(CallbackGroup):
                 )  # fmt: skip
                 if first:
                     report = choose_measured(self.plan, trials, measurements, time.perf_counter() - started)
-                    rank_zero_info(f"MemoryBudget: on every rank, {report}")
+                    self._log_measured(f"on every rank, {report}")
         return Knobs(**strategy.broadcast(self.plan.chosen.knobs.as_dict() if first else None))
 
     def _outcome(self, pl_module: LightningModule, batch: Any, target: PlanTarget) -> PlanOutcome:
@@ -296,7 +296,7 @@ class MemoryBudget(CallbackGroup):
                 options = {"safety_margin": self.safety_margin, "verify": self.verify, "blocks": self.blocks}
                 sample = batch()
                 self.plan, knobs, failure = plan_for_target(
-                    pl_module, sample, hardware, target, verbose=self.verbose, every_kind=measuring, **options
+                    pl_module, sample, hardware, target, verbose=self.verbose, measured=measuring, **options
                 )
                 self._measured_later = knobs is not None and measuring and target.devices > 1  # on every rank
                 if knobs is not None and measuring and target.devices == 1:
@@ -319,8 +319,11 @@ class MemoryBudget(CallbackGroup):
             self.plan, pl_module, batch, target.device, blocks=self.blocks, most=self.measure_candidates,
             steps=self.measure_steps, seconds=self.measure_seconds, refresh=self.measure == "refresh",
         )  # fmt: skip
-        rank_zero_info(f"MemoryBudget: {report}")
+        self._log_measured(report)
         return self.plan.chosen.knobs
+
+    def _log_measured(self, report: str) -> None:
+        rank_zero_info(f"MemoryBudget:\n{self.plan.table(self.verbose)}\n{report}")
 
     def _batch(self, trainer: Trainer) -> Any:
         if self.sample_batch is not None:

@@ -104,10 +104,18 @@ def hardware_for(device: torch.device, name: str | None, budget: float | None) -
 
 
 def plan_for_target(
-    module: LightningModule, batch: Any, hardware: Hardware, target: PlanTarget, verbose: bool = False, **options: Any
+    module: LightningModule,
+    batch: Any,
+    hardware: Hardware,
+    target: PlanTarget,
+    verbose: bool = False,
+    measured: bool = False,
+    **options: Any,
 ) -> tuple[Plan | None, Knobs | None, str]:
     """Plan ``module`` on ``batch`` for ``target``: the plan (``None``: none could be made), its knobs (``None``:
-    nothing fits) and why not. Logs the plan's report, every candidate if ``verbose`` (call it on rank 0).
+    nothing fits) and why not. Logs the plan's report, every candidate if ``verbose`` (call it on rank 0); with
+    ``measured`` (its candidates are to be measured) every kind is searched, and a plan that fits is left to be
+    logged with its measured columns.
 
     Under ``fsdp_memopt`` the plan shards over every rank, with or without CPU offload; elsewhere it
     is unsharded, and when nothing fits so, the reason names the ``fsdp_memopt`` command whose plan
@@ -127,18 +135,23 @@ def plan_for_target(
         offload = (True,) if target.cpu_offload else (False, True)
         stored = target.precision is None  # a mixed precision from PrecisionSwitch: the units are gathered as stored
         layout = {"shards": [target.devices], "cpu_offload": offload, "gather_as_stored": stored}
-        result = plan(module, batch, hardware, devices=target.devices, precisions=precisions, **layout, **options)
+        result = plan(
+            module, batch, hardware, devices=target.devices, precisions=precisions, every_kind=measured, **layout,
+            **options,
+        )  # fmt: skip
     else:
         try:
             result = plan(
                 module, batch, hardware, devices=target.devices, shards=[1], cpu_offload=(False,),
-                precisions=precisions, **options,
+                precisions=precisions, every_kind=measured, **options,
             )  # fmt: skip
         except PlanError as error:  # the model states alone do not fit unsharded
             return None, None, _needs_fsdp(module, batch, hardware, target, str(error), options, verbose)
-    rank_zero_info(f"MemoryBudget:\n{result.table(verbose)}")
     if result.chosen is not None:
+        if not measured:
+            rank_zero_info(f"MemoryBudget:\n{result.table(verbose)}")
         return result, result.chosen.knobs, ""
+    rank_zero_info(f"MemoryBudget:\n{result.table(verbose)}")
     failure = _nothing_fits(result)
     return (
         result,

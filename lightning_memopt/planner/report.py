@@ -78,7 +78,12 @@ class Plan:
         on_host = any(candidate.host_bytes for candidate in self.candidates)
         header = f"{'':2}{'candidate':<44}{'peak ' + unit:>9}" + "".join(f"{_short(k):>8}" for k in _SHOWN)
         header += f"{'host':>8}" if on_host else ""
-        header += f"{'step s':>10}  {'fits':<5}{'how'}"
+        trials = {measured.knobs: measured for measured in self.measurements}
+        if trials:  # which times were measured and which priced
+            header += f"{'priced s':>10}{'measured s':>12}{'measured ' + unit:>14}  {'trial':<16}"
+        else:
+            header += f"{'step s':>10}  "
+        header += f"{'fits':<5}{'how'}"
         lines = [
             f"device {self.hardware.name}: {self.hardware.memory_bytes / scale:.2f} {unit}, plan within "
             f"{self.limit_bytes / scale:.2f} {unit} (safety margin {self.safety_margin:.0%}); "
@@ -86,8 +91,9 @@ class Plan:
             header,
         ]
         shown = self.candidates if verbose else self.front()
+        shown = [*shown, *(c for c in self.candidates if c.knobs in trials and c not in shown)]
         for candidate in sorted(shown, key=lambda c: (c.cost.total, c.peak_bytes)):
-            lines.append(self._row(candidate, scale, on_host, verbose))
+            lines.append(self._row(candidate, scale, on_host, verbose, trials))
         if verbose:
             for knobs, bound in self.skipped:
                 bound_text = f"not profiled: cannot beat the choice (≥ {bound:.4f} s)"
@@ -143,7 +149,7 @@ class Plan:
         faster = front[max(0, at - FRONT_ROWS // 2) : at]
         return [*faster, *front[at : at + FRONT_ROWS - len(faster)]]
 
-    def _row(self, candidate: Candidate, scale: int, on_host: bool, verbose: bool) -> str:
+    def _row(self, candidate: Candidate, scale: int, on_host: bool, verbose: bool, trials: dict[Any, Any]) -> str:
         mark = "→" if candidate is self.chosen else ""
         breakdown = "".join(f"{candidate.breakdown.get(k, 0) / scale:>8.2f}" for k in _SHOWN)
         breakdown += f"{candidate.host_bytes / scale:>8.2f}" if on_host else ""
@@ -152,9 +158,14 @@ class Plan:
             how += f" (estimated {candidate.estimated_bytes / scale:.2f})"
         if not candidate.fits and not verbose:
             how += f"; over the budget by {(candidate.peak_bytes - self.limit_bytes) / scale:.2f}"
+        timing = f"{candidate.cost.total:>10.4f}  "
+        if trials:
+            trial, measured, note = _trial_columns(trials.get(candidate.knobs), scale)
+            timing = f"{candidate.cost.total:>10.4f}{measured}  {trial:<16}"
+            how += f"; {note}" if note else ""
         return (
             f"{mark:<2}{candidate.knobs.describe():<44}{candidate.peak_bytes / scale:>9.2f}{breakdown}"
-            f"{candidate.cost.total:>10.4f}  {'yes' if candidate.fits else 'no':<5}{how}"
+            f"{timing}{'yes' if candidate.fits else 'no':<5}{how}"
         )
 
     def _chosen_lines(self, scale: int, unit: str) -> list[str]:
@@ -169,25 +180,16 @@ class Plan:
         ]
 
     def measured_report(self, priced: Candidate | None) -> str:
-        """The candidates timed on the device beside their prices, what was chosen and what the price alone chose."""
+        """How many candidates were timed on the device (the table's measured columns hold what each did), what was
+        chosen and what the price alone chose."""
         unit, scale = ("GiB", GIB) if self.hardware.memory_bytes >= GIB else ("MiB", MIB)
         recalled = sum(m.remembered for m in self.measurements)
         lines = [
             f"tried {sum(not m.remembered and not m.outcome.startswith('untried') for m in self.measurements)} of "
             f"{len(self.measurements)} candidates on the device in {self.measure_seconds or 0:.1f} s"
             + (f", {recalled} remembered from an earlier run" if recalled else "")
-            + f" (plan within {self.limit_bytes / scale:.2f} {unit})",
-            f"{'':2}{'candidate':<44}{'priced s':>10}{'measured s':>12}{'peak ' + unit:>11}{'measured':>10}  outcome",
+            + f" (plan within {self.limit_bytes / scale:.2f} {unit}; the table's measured columns)"
         ]
-        for measured in self.measurements:
-            mark = "→" if self.chosen is not None and measured.knobs == self.chosen.knobs else ""
-            seconds = "—" if measured.measured_seconds is None else f"{measured.measured_seconds:.4f}"
-            peak = "—" if measured.measured_peak_bytes is None else f"{measured.measured_peak_bytes / scale:.2f}"
-            lines.append(
-                f"{mark:<2}{measured.knobs.describe():<44}{measured.predicted_seconds:>10.4f}{seconds:>12}"
-                f"{measured.predicted_peak_bytes / scale:>11.2f}{peak:>10}  {measured.outcome}"
-                + (" (remembered)" if measured.remembered else "")
-            )
         sharded = sum(c.fits and c.knobs.sharding.active for c in self.candidates)
         if sharded:
             lines.append(f"{sharded} sharded or offloaded candidates that fit are not trialled (FSDP: not in a trial)")
@@ -237,6 +239,17 @@ class Plan:
             "estimated_step_seconds": self.chosen.cost.total,
             "budget_gib": round(self.hardware.memory_gib, 3),
         }
+
+
+def _trial_columns(measured: Any, scale: int) -> tuple[str, str, str]:
+    """A candidate's trial outcome (``"—"``: not one of those to try), its measured step seconds and peak (aligned),
+    and a note: why it was not tried, or that an earlier run's trial is recalled."""
+    if measured is None:
+        return "—", f"{'—':>12}{'—':>14}", ""
+    seconds = "—" if measured.measured_seconds is None else f"{measured.measured_seconds:.4f}"
+    peak = "—" if measured.measured_peak_bytes is None else f"{measured.measured_peak_bytes / scale:.2f}"
+    trial, _, why = measured.outcome.partition(": ")
+    return trial, f"{seconds:>12}{peak:>14}", "remembered from an earlier run" if measured.remembered else why
 
 
 def _cost_parts(candidate: Candidate) -> str:

@@ -1,11 +1,12 @@
 """Two CPU ranks (gloo) fit under MemoryBudget: rank 0 plans, both apply its knobs (or both raise its error).
 
-python tests/callbacks/memory_budget_ddp_run.py OUT_DIR BUDGET_MIB [measure]   # writes OUT_DIR/rank{0,1}.pt
+python tests/callbacks/memory_budget_ddp_run.py OUT_DIR BUDGET_MIB [measure | KNOBS_JSON]  # writes OUT_DIR/rank{0,1}.pt
 
 With ``measure`` the plan is measured on both ranks, and rank 1 runs its first trial on a simulated device of one
-byte: that trial runs out of memory there alone.
+byte: that trial runs out of memory there alone. With ``KNOBS_JSON`` (a mapping) those knobs are given, not planned.
 """
 
+import json
 import os
 import sys
 
@@ -32,11 +33,16 @@ def _first_trial_out_of_memory() -> None:
     trials._Trial.run = first_on_a_full_device
 
 
-def main(out_dir: str, budget_mib: float, measure: bool) -> None:
+def main(out_dir: str, budget_mib: float, how: list[str]) -> None:
+    measure = how == ["measure"]
     if measure and os.environ.get("LOCAL_RANK", "0") == "1":
         _first_trial_out_of_memory()
-    budget = MemoryBudget(budget=budget_mib / 1024, measure="refresh" if measure else False, measure_candidates=12)
+    if how and not measure:
+        budget = MemoryBudget(knobs=json.loads(how[0]))
+    else:
+        budget = MemoryBudget(budget=budget_mib / 1024, measure="refresh" if measure else False, measure_candidates=12)
     trainer = quiet_trainer(strategy="ddp", devices=2, max_steps=2, callbacks=[budget])
+    torch.manual_seed(0)  # the same weights in every run (DDP gives rank 0's to every rank)
     module = _module()
     try:
         trainer.fit(module, train_dataloaders=_loader())
@@ -55,4 +61,4 @@ def main(out_dir: str, budget_mib: float, measure: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]), sys.argv[3:] == ["measure"])
+    main(sys.argv[1], float(sys.argv[2]), sys.argv[3:])

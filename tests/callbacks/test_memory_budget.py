@@ -1,3 +1,4 @@
+import json
 import re
 from pathlib import Path
 
@@ -19,7 +20,11 @@ from lightning_memopt.tasks import NormalEstimationModule
 from tests.helpers import quiet_trainer, run_script
 
 APPLIED = (AdaptiveAccumulation, PrecisionSwitch, ActivationCheckpointing)
-BATCH = (torch.randn(4, 3, 64, 48), torch.nn.functional.normalize(torch.randn(4, 3, 64, 48), dim=1))
+_SEEDED = torch.Generator().manual_seed(0)  # the same batch in every process (the DDP runs import it)
+BATCH = (
+    torch.randn(4, 3, 64, 48, generator=_SEEDED),
+    torch.nn.functional.normalize(torch.randn(4, 3, 64, 48, generator=_SEEDED), dim=1),
+)
 
 
 def _module():
@@ -212,13 +217,18 @@ def test_under_ddp_rank_0_plans_and_every_rank_applies_its_plan(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_under_ddp_every_rank_runs_the_trials_and_an_out_of_memory_on_rank_1_alone_counts_on_both(tmp_path):
+def test_under_ddp_every_rank_runs_the_trials_an_out_of_memory_on_rank_1_alone_counts_on_both_and_the_fit_is_exact(
+    tmp_path,
+):
     rank0, rank1 = _ddp_ranks(tmp_path, 7.5, "measure")  # rank 1's first trial runs out of memory, rank 0's fits
     outcomes = [outcome for _, outcome in rank0["measured"]]
     assert outcomes[0] == "out of memory" and "measured" in outcomes
     assert rank0["knobs"] == rank1["knobs"] and rank0["knobs"] != rank0["measured"][0][0]
     assert rank1["measured"] == [] and not rank1["planned_here"]
     assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"], strict=True))
+    (tmp_path / "given").mkdir()
+    given, _ = _ddp_ranks(tmp_path / "given", 7.5, json.dumps(rank0["knobs"]))  # the same fit, given those knobs
+    assert all(torch.equal(a, b) for a, b in zip(rank0["params"], given["params"], strict=True))
 
 
 @pytest.mark.slow

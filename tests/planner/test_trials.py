@@ -183,3 +183,25 @@ def test_remembered_trials_are_not_run_again_and_their_peaks_are_weighed_against
     ]
     assert all(m.remembered for m in again) and again[0].outcome == OVER_BUDGET
     assert memory.recall("another key", [c.knobs for c in candidates]) == {}
+
+
+def test_the_plan_table_shows_each_trial_beside_its_price_and_says_which_times_were_measured(planned):
+    measured = replace(planned, measurements=[], chosen=planned.chosen)
+    assert "priced s" not in measured.table() and "step s" in measured.table()
+    candidates = trial_candidates(planned.candidates, 3)
+    found = measure_candidates(_model(), BATCH, candidates, planned.limit_bytes, seconds=1e-9, **OPTIONS)
+    measured.measurements = [
+        found[0],
+        replace(found[1], remembered=True, measured_seconds=0.5, outcome=MEASURED),
+        found[2],
+    ]
+    table = measured.table()
+    header = table.splitlines()[1]
+    assert "priced s" in header and "measured s" in header and "measured MiB" in header and "trial" in header
+    rows = {line[2:46].strip(): line for line in table.splitlines()[2:] if line[2:46].strip()}
+    first, remembered, untried = (rows[c.knobs.describe()] for c in candidates)
+    assert f"{found[0].measured_seconds:.4f}" in first and f"{found[0].measured_peak_bytes / 2**20:.2f}" in first
+    assert " measured " in first and "0.5000" in remembered and "remembered from an earlier run" in remembered
+    assert " untried " in untried and untried.endswith("; 1e-09 s of measuring spent")
+    not_tried = next(c for c in planned.front() if c.knobs not in {m.knobs for m in found})
+    assert rows[not_tried.knobs.describe()].count("—") >= 3  # shown, priced only
