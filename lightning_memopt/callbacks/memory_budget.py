@@ -99,7 +99,8 @@ class MemoryBudget(CallbackGroup):
             ``fsdp_memopt`` the priced plan is applied (a trial cannot shard).
         measure_candidates: the most candidates measured.
         measure_steps: the timed steps per candidate (after two that measure its peak); the fastest counts.
-        measure_seconds: the most seconds spent measuring; the candidates left are reported untried.
+        measure_seconds: the most seconds spent measuring: a trial expected to end past them (from the trials so
+            far) is not started, and is reported untried.
 
     Raises:
         MisconfigurationException: bad arguments (in ``__init__``); in ``setup``: a strategy other

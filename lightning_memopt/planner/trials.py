@@ -8,6 +8,9 @@ elsewhere the :class:`~lightning_memopt.memory.MemoryTracker`'s) and ``steps`` m
 Nothing of the run changes: the copy is thrown away and every random number generator is set back. An
 out-of-memory error ends that trial alone; the candidates predicted to need as much or more are not tried.
 
+Over 300 lines because which candidates to try, the loop trying them (its rules for out-of-memory errors, time,
+ranks and the run-off) and the trial itself are the parts of one measurement.
+
 Example::
 
     >>> import torch
@@ -82,9 +85,9 @@ class Measurement:
 
 def trial_candidates(candidates: list[Candidate], most: int) -> list[Candidate]:
     """The candidates to measure, at most ``most``, by predicted time: of those predicted to fit (unsharded, as the
-    live strategy runs them), the fastest, then the fastest of each kind (precision, attention kernel, micro-batched
-    or not, and the checkpointing modes used: none, full, selective, offload or a per-block mix), then the next
-    fastest.
+    live strategy runs them), the fastest, then the fastest of each kind from the coarsest, where a wrong price
+    misleads most, to the finest: each precision, with and without micro-batches, each attention kernel, and each
+    set of checkpointing modes used (none, full, selective, offload or a per-block mix); then the next fastest.
 
     Example::
 
@@ -96,21 +99,30 @@ def trial_candidates(candidates: list[Candidate], most: int) -> list[Candidate]:
         return candidate.cost.total, candidate.peak_bytes
 
     fitting = sorted((c for c in candidates if c.fits and not c.knobs.sharding.active), key=price)
-    fastest_of_kind: dict[tuple[Any, ...], Candidate] = {}
-    for candidate in fitting:
-        fastest_of_kind.setdefault(_kind(candidate.knobs), candidate)
     picked: dict[Any, Candidate] = {}
-    for candidate in [*fastest_of_kind.values(), *fitting]:  # the fastest is the first of its kind
+    for kind in _KINDS:  # the first of each is the fastest of its kind
+        fastest_of_kind: dict[Any, Candidate] = {}
+        for candidate in fitting:
+            fastest_of_kind.setdefault(kind(candidate.knobs), candidate)
+        for candidate in fastest_of_kind.values():
+            picked.setdefault(candidate.knobs, candidate)
+    for candidate in fitting:
         picked.setdefault(candidate.knobs, candidate)
     return sorted(list(picked.values())[: max(most, 0)], key=price)
 
 
-def _kind(knobs: Any) -> tuple[Any, ...]:
+def _modes(knobs: Any) -> frozenset[str]:
     if knobs.checkpoint == "per_block":
-        modes = frozenset(mode for _, mode in knobs.checkpoint_blocks)
-    else:
-        modes = frozenset([knobs.checkpoint]) - {"none"}
-    return knobs.precision, knobs.attn_impl, knobs.micro_batch_size is not None, modes
+        return frozenset(mode for _, mode in knobs.checkpoint_blocks)
+    return frozenset([knobs.checkpoint]) - {"none"}
+
+
+_KINDS: tuple[Callable[[Any], Any], ...] = (  # from the coarsest to the finest
+    lambda knobs: knobs.precision,
+    lambda knobs: (knobs.precision, knobs.micro_batch_size is not None),
+    lambda knobs: (knobs.precision, knobs.micro_batch_size is not None, knobs.attn_impl),
+    lambda knobs: (knobs.precision, knobs.micro_batch_size is not None, knobs.attn_impl, _modes(knobs)),
+)
 
 
 def measure_candidates(
@@ -129,11 +141,13 @@ def measure_candidates(
     agree: Callable[[list[float]], list[float]] | None = None,
 ) -> list[Measurement]:
     """Each of ``candidates`` run on ``device`` (default: where ``model`` is): its peak over two steps and its
-    fastest of ``steps`` more. The first is always tried; those left once ``seconds`` have passed are reported
-    untried, and so are those predicted to need as much memory as one that ran out, or more than ``limit_bytes``
+    fastest of ``steps`` more. The first is always tried; one expected to end past ``seconds`` of measuring (its
+    length: the trials so far, scaled by its predicted step time) is reported untried, and so are those predicted
+    to need as much memory as one that ran out, or more than ``limit_bytes``
     once their prediction is raised by the worst miss measured so far (measured peak over predicted). Candidates
-    whose knobs ``remembered`` maps to an earlier trial's seconds and peak are not run again. ``model`` and every
-    random number generator are left as they were.
+    whose knobs ``remembered`` maps to an earlier trial's seconds and peak are not run again. Those measured within
+    10 % of the fastest that fits (at most 3) run once more, time allowing, each keeping its faster step: a run-off.
+    ``model`` and every random number generator are left as they were.
 
     On several ranks, each runs the same candidates and ``agree`` takes each rank's values to their maxima (an
     all-reduce): whether time is up, and each trial's ran-out-of-memory flag, seconds and peak — a candidate that
@@ -144,36 +158,92 @@ def measure_candidates(
     found: list[Measurement] = []
     out_of_memory_at: int | None = None  # the smallest predicted peak that ran out of memory
     miss = 1.0  # the most a measured peak exceeded its prediction, as a ratio
+    trial_pace = _TrialPace()
+
+    def tried(candidate: Candidate) -> tuple[int | None, float]:
+        """``candidate`` run on the device, every rank's outcome agreed: its peak (``None``: out of memory), step."""
+        trial_started = time.perf_counter()
+        trial = _Trial(model, batch, candidate.knobs, device, loss_fn, optimizer, blocks)
+        peak: int | None = None
+        step_seconds = 0.0
+        try:
+            with random_state_kept():
+                peak, step_seconds = trial.run(steps)
+        except torch.OutOfMemoryError:
+            pass  # released below, once the error (and the tensors its frames hold) is gone
+        trial.release()
+        trial_pace.ran(candidate, time.perf_counter() - trial_started)
+        ran_out, step_seconds, highest = _agreed(agree, [float(peak is None), step_seconds, float(peak or 0)])
+        return None if ran_out > 0 else int(highest), step_seconds
+
+    def time_is_up(candidate: Candidate) -> bool:
+        ends = time.perf_counter() - started + trial_pace.expected(candidate)
+        return _agreed(agree, [float(bool(found) and ends > seconds)])[0] > 0
+
     for candidate in candidates:
         predicted = Measurement(candidate.knobs, candidate.cost.total, candidate.peak_bytes)
         if candidate.knobs in remembered:
             recalled_seconds, recalled_peak = remembered[candidate.knobs]
             found.append(Measurement.of(candidate, recalled_seconds, recalled_peak, limit_bytes, remembered=True))
-        elif _agreed(agree, [float(bool(found) and time.perf_counter() - started > seconds)])[0] > 0:
-            found.append(_untried(predicted, f"untried: {seconds:g} s of measuring spent"))
+        elif time_is_up(candidate):
+            found.append(_untried(predicted, f"untried: it would end past {seconds:g} s of measuring"))
         elif out_of_memory_at is not None and candidate.peak_bytes >= out_of_memory_at:
             found.append(_untried(predicted, "untried: predicted to need as much as one that ran out of memory"))
         elif candidate.peak_bytes * miss > limit_bytes:
             found.append(_untried(predicted, f"untried: over the limit by the measured miss (×{miss:.3f})"))
         else:
-            trial = _Trial(model, batch, candidate.knobs, device, loss_fn, optimizer, blocks)
-            peak: int | None = None
-            step_seconds = 0.0
-            try:
-                with random_state_kept():
-                    peak, step_seconds = trial.run(steps)
-            except torch.OutOfMemoryError:
-                pass  # released below, once the error (and the tensors its frames hold) is gone
-            trial.release()
-            ran_out, step_seconds, highest = _agreed(agree, [float(peak is None), step_seconds, float(peak or 0)])
-            peak = None if ran_out > 0 else int(highest)
+            peak, step_seconds = tried(candidate)
             found.append(Measurement.of(candidate, None if peak is None else step_seconds, peak, limit_bytes))
         latest = found[-1]
         if latest.outcome == OUT_OF_MEMORY:
             out_of_memory_at = min(candidate.peak_bytes, out_of_memory_at or candidate.peak_bytes)
         elif latest.measured_peak_bytes is not None:
             miss = max(miss, latest.measured_peak_bytes / max(candidate.peak_bytes, 1))
+    # a run-off: those measured within RUN_OFF of the fastest that fits run again, in the reverse order, each keeping
+    # its faster time (one trial's few steps can be a tenth off on a shared machine; a drift in its speed cancels)
+    by_knobs = {candidate.knobs: candidate for candidate in candidates}
+    for index in reversed(_close_to_the_fastest(found, limit_bytes)):
+        candidate, first = by_knobs[found[index].knobs], found[index]
+        if time_is_up(candidate):
+            break
+        peak, step_seconds = tried(candidate)
+        if peak is not None:
+            fastest = min(step_seconds, first.measured_seconds or step_seconds)
+            found[index] = Measurement.of(candidate, fastest, max(peak, first.measured_peak_bytes or 0), limit_bytes)
     return found
+
+
+RUN_OFF = 1.10  # measured within 10 % of the fastest that fits: run again, to tell them apart
+RUN_OFF_MOST = 3
+
+
+def _close_to_the_fastest(found: list[Measurement], limit_bytes: int) -> list[int]:
+    """The positions in ``found`` of the (at most :data:`RUN_OFF_MOST`) trials run now that fit and are within
+    :data:`RUN_OFF` of the fastest, in their order; none where the fastest has no rival."""
+    fitting = sorted(
+        (i for i, m in enumerate(found) if m.fits(limit_bytes) and not m.remembered),
+        key=lambda i: found[i].measured_seconds,
+    )
+    if not fitting:
+        return []
+    fastest = found[fitting[0]].measured_seconds
+    close = sorted([i for i in fitting if found[i].measured_seconds <= fastest * RUN_OFF][:RUN_OFF_MOST])
+    return close if len(close) > 1 else []
+
+
+class _TrialPace:
+    """How long a trial takes: the trials run so far, in seconds per second of predicted step time (a trial's length
+    scales with its step's: micro-batches, recomputation)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.priced = 0.0, 0.0
+
+    def ran(self, candidate: Candidate, seconds: float) -> None:
+        self.seconds += seconds
+        self.priced += candidate.cost.total
+
+    def expected(self, candidate: Candidate) -> float:
+        return self.seconds / self.priced * candidate.cost.total if self.priced > 0 else 0.0
 
 
 def _agreed(agree: Callable[[list[float]], list[float]] | None, values: list[float]) -> list[float]:

@@ -100,7 +100,7 @@ def _differences(measured, given, where="") -> list[str]:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_fit_after_its_trials_ends_as_the_same_fit_given_the_chosen_knobs(family, tmp_path):
     budget = MemoryBudget(
-        safety_margin=0.0, measure="refresh", measure_candidates=8, measure_steps=1, measure_seconds=10, verify=0
+        safety_margin=0.0, measure="refresh", measure_candidates=8, measure_steps=1, measure_seconds=20, verify=0
     )
     measured = _fit(family, budget, tmp_path)
     tried = [m for m in budget.plan.measurements if m.outcome == "measured"]

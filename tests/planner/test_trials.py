@@ -9,12 +9,13 @@ import torch
 from torch import nn
 
 from lightning_memopt.memory import SimulatedDevice
-from lightning_memopt.planner import measure_cpu, plan
+from lightning_memopt.planner import measure_cpu, plan, trials
 from lightning_memopt.planner.remembered import TrialMemory, trial_key
 from lightning_memopt.planner.trials import (
     MEASURED,
     OUT_OF_MEMORY,
     OVER_BUDGET,
+    _TrialPace,
     fastest_measured,
     measure_candidates,
     trial_candidates,
@@ -78,6 +79,12 @@ def test_trial_candidates_are_the_fastest_then_the_fastest_of_each_kind_then_the
     next_fastest = [c.knobs for c in fitting if c.knobs not in {p.knobs for p in picked}][:2]
     assert {c.knobs for c in more} == {*(c.knobs for c in picked), *next_fastest}
     assert trial_candidates(planned.candidates, 1)[0].knobs == fitting[0].knobs
+    # the coarsest kinds first: each precision, then with and without micro-batches, before the checkpointing modes
+    precisions = {c.knobs.precision for c in fitting}
+    assert len(precisions) == 2 and {c.knobs.precision for c in trial_candidates(planned.candidates, 2)} == precisions
+    coarse = {(c.knobs.precision, c.knobs.micro_batch_size is not None) for c in fitting}
+    four = trial_candidates(planned.candidates, len(coarse))
+    assert {(c.knobs.precision, c.knobs.micro_batch_size is not None) for c in four} == coarse
 
 
 def test_trials_measure_each_candidate_and_leave_the_model_and_every_generator_as_they_were(planned):
@@ -127,8 +134,17 @@ def test_a_trial_out_of_memory_is_marked_its_memory_freed_and_those_predicted_as
 def test_the_first_candidate_is_always_measured_and_the_rest_wait_on_the_time_left(planned):
     candidates = trial_candidates(planned.candidates, 3)
     found = measure_candidates(_model(), BATCH, candidates, planned.limit_bytes, seconds=1e-9, **OPTIONS)
-    assert [m.outcome for m in found] == [MEASURED] + ["untried: 1e-09 s of measuring spent"] * 2
+    assert [m.outcome for m in found] == [MEASURED] + ["untried: it would end past 1e-09 s of measuring"] * 2
     assert [m.knobs for m in found] == [c.knobs for c in candidates]
+
+
+def test_a_trials_expected_length_is_the_trials_so_far_scaled_by_its_predicted_step(planned):
+    first, second, third = trial_candidates(planned.candidates, 3)
+    pace = _TrialPace()
+    assert pace.expected(first) == 0.0  # nothing run yet: the first is always tried
+    pace.ran(first, 2.0)
+    pace.ran(second, 4.0)
+    assert pace.expected(third) == pytest.approx(6.0 * third.cost.total / (first.cost.total + second.cost.total))
 
 
 def test_a_measured_miss_raises_the_predictions_of_those_left(planned):
@@ -202,6 +218,24 @@ def test_the_plan_table_shows_each_trial_beside_its_price_and_says_which_times_w
     first, remembered, untried = (rows[c.knobs.describe()] for c in candidates)
     assert f"{found[0].measured_seconds:.4f}" in first and f"{found[0].measured_peak_bytes / 2**20:.2f}" in first
     assert " measured " in first and "0.5000" in remembered and "remembered from an earlier run" in remembered
-    assert " untried " in untried and untried.endswith("; 1e-09 s of measuring spent")
+    assert " untried " in untried and untried.endswith("; it would end past 1e-09 s of measuring")
     not_tried = next(c for c in planned.front() if c.knobs not in {m.knobs for m in found})
     assert rows[not_tried.knobs.describe()].count("—") >= 3  # shown, priced only
+
+
+def test_those_measured_close_to_the_fastest_run_again_in_the_reverse_order_keeping_their_faster_step(
+    planned, monkeypatch
+):
+    candidates = trial_candidates(planned.candidates, 3)
+    times = {candidates[0].knobs: [1.0, 1.10], candidates[1].knobs: [1.05, 0.95], candidates[2].knobs: [2.0]}
+    ran = []
+
+    def scripted(trial, steps):
+        ran.append(trial.knobs)
+        return 1000, times[trial.knobs].pop(0)
+
+    monkeypatch.setattr(trials._Trial, "run", scripted)
+    found = measure_candidates(_model(), BATCH, candidates, planned.limit_bytes, **OPTIONS)
+    assert ran == [c.knobs for c in (*candidates, candidates[1], candidates[0])]
+    assert [m.measured_seconds for m in found] == [1.0, 0.95, 2.0]
+    assert fastest_measured(found, planned.limit_bytes).knobs == candidates[1].knobs
