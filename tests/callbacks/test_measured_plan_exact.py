@@ -100,11 +100,11 @@ def _differences(measured, given, where="") -> list[str]:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_fit_after_its_trials_ends_as_the_same_fit_given_the_chosen_knobs(family, tmp_path):
     budget = MemoryBudget(
-        safety_margin=0.0, measure="refresh", measure_candidates=8, measure_steps=1, measure_seconds=20, verify=0
+        safety_margin=0.0, measure="refresh", measure_candidates=3, measure_steps=1, measure_seconds=600, verify=0
     )
     measured = _fit(family, budget, tmp_path)
     tried = [m for m in budget.plan.measurements if m.outcome == "measured"]
-    assert len(tried) >= 2 and len({m.knobs.describe() for m in tried}) == len(tried)
+    assert len(tried) == 3  # three trials ran, each on a copy: none may reach the run
     given = _fit(family, MemoryBudget(knobs=budget.knobs.as_dict()), tmp_path)
     assert measured["global_step"] == 3 and measured["logged"]
     assert _differences(measured, given) == []
