@@ -147,11 +147,10 @@ def plan_for_target(
             )  # fmt: skip
         except PlanError as error:  # the model states alone do not fit unsharded
             return None, None, _needs_fsdp(module, batch, hardware, target, str(error), options, verbose)
+    if result.chosen is None or not measured:  # a measured plan is logged once measured, with its measured columns
+        rank_zero_info(f"MemoryBudget:\n{result.table(verbose)}")
     if result.chosen is not None:
-        if not measured:
-            rank_zero_info(f"MemoryBudget:\n{result.table(verbose)}")
         return result, result.chosen.knobs, ""
-    rank_zero_info(f"MemoryBudget:\n{result.table(verbose)}")
     failure = _nothing_fits(result)
     return (
         result,

@@ -158,11 +158,12 @@ class Plan:
             how += f" (estimated {candidate.estimated_bytes / scale:.2f})"
         if not candidate.fits and not verbose:
             how += f"; over the budget by {(candidate.peak_bytes - self.limit_bytes) / scale:.2f}"
-        timing = f"{candidate.cost.total:>10.4f}  "
+        timing = f"{candidate.cost.total:>10.4f}"
         if trials:
             trial, measured, note = _trial_columns(trials.get(candidate.knobs), scale)
-            timing = f"{candidate.cost.total:>10.4f}{measured}  {trial:<16}"
+            timing += f"{measured}  {trial:<14}"
             how += f"; {note}" if note else ""
+        timing += "  "
         return (
             f"{mark:<2}{candidate.knobs.describe():<44}{candidate.peak_bytes / scale:>9.2f}{breakdown}"
             f"{timing}{'yes' if candidate.fits else 'no':<5}{how}"
