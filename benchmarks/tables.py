@@ -202,6 +202,7 @@ REGISTRY: dict[str, str | Renderer] = {
     "concurrent_rows.csv": "concurrent_rows:table",
     "cli_startup.csv": "cli_startup:table",
     "compile_budget.csv": "compile_budget:table",
+    "checkpoint_exactness.csv": "checkpoint_exactness:table",
     "gpu_truth.csv": "gpu_truth:table",
     "gpu_truth_h100.csv": "gpu_truth:table",
     "host_overhead.csv": "host_overhead:table",

@@ -62,6 +62,8 @@ __all__ = [
     "assign_buffer",
     "attach_trainer",
     "attached_trainer",
+    "compiled_checkpoint_side_effects",
+    "compiled_frames",
     "composable_state_keys",
     "copy_tensors",
     "cuda_memory_snapshot",
@@ -69,6 +71,7 @@ __all__ = [
     "ends_optimizer_step",
     "fsdp_checkpoints_itself",
     "function_compiled",
+    "graph_break_reasons",
     "has_hooks",
     "is_aten_op",
     "is_batch_norm",
@@ -84,6 +87,7 @@ __all__ = [
     "optimizers_to_device",
     "powersgd_compresses",
     "point_logging_at",
+    "recompile_limit",
     "record_cuda_memory_history",
     "reparametrized",
     "same_memory",
@@ -275,6 +279,53 @@ def function_compiled(function: Callable[..., Any] | None) -> bool:
     missing: a public ``torch.compiler`` test for a compiled function.
     """
     return hasattr(function, "_torchdynamo_orig_callable")
+
+
+# -- torch: what dynamo did with a checkpointed block ---------------------------------------------------------------
+def compiled_checkpoint_side_effects(allowed: bool | None = None) -> bool:
+    """Whether dynamo lets a checkpointed region's forward change Python state (set it when ``allowed`` is given).
+
+    Returns the value before the call. Allowed, such a change (an attribute a forward sets, as transformers' Swin
+    does) runs once, in the forward; refused (torch's default), the graph breaks at every checkpointed block.
+    missing: a public switch (``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint``).
+    """
+    import torch._dynamo
+
+    before = bool(torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint)
+    if allowed is not None:
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = allowed
+    return before
+
+
+def graph_break_reasons() -> list[str]:
+    """The reasons of the graph breaks dynamo met in this process so far, one string each.
+
+    missing: a public record of graph breaks (``torch._dynamo.utils.counters["graph_break"]``; ``torch._dynamo.explain``
+    runs the model again).
+    """
+    import torch._dynamo.utils
+
+    return list(torch._dynamo.utils.counters["graph_break"])
+
+
+def compiled_frames(function: Callable[..., Any]) -> int:
+    """How many compiled entries dynamo holds for ``function``'s code (one per recompilation of it as a frame).
+
+    missing: a public count (``torch._dynamo.eval_frame._debug_get_cache_entry_list``).
+    """
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(function.__code__))
+
+
+def recompile_limit() -> int:
+    """Dynamo's limit of compiled entries for one frame, past which it runs the frame eagerly.
+
+    missing: a public name (``torch._dynamo.config.recompile_limit``).
+    """
+    import torch._dynamo
+
+    return int(torch._dynamo.config.recompile_limit)
 
 
 # -- torch: tracing a module's forward and backward into graphs ----------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -20,10 +21,15 @@ from lightning_memopt.checkpointing import (
     parse_policy,
     remove_activation_checkpointing,
 )
+from lightning_memopt.checkpointing.under_compile import CompiledCheckpointWatch
+from lightning_memopt.checkpointing.wrap import CheckpointedForward
 from lightning_memopt.models.structure import model_structure
 from lightning_memopt.planner.checkpoint_budget import plan_checkpointing
 from lightning_memopt.private_api import fsdp_checkpoints_itself, training_dataloader
 from lightning_memopt.vocabulary import PROFILE_PRECISIONS
+
+WATCHED_BATCHES = 3  # the training batches after which a compiled model's graph breaks are looked for (recompiles
+# come with the second)
 
 
 class ActivationCheckpointing(Callback):
@@ -60,6 +66,10 @@ class ActivationCheckpointing(Callback):
     rank applies rank 0's choice. Out of reach, the least activation peak is applied, with a warning.
     Outside a fit nothing is checkpointed (no backward pass).
 
+    Under ``torch.compile`` the checkpointed blocks trace into the compiled graph; if dynamo breaks its graph at
+    them instead (each block then compiles as a frame of its own), the first training batches say so once, naming
+    the blocks, dynamo's reason and the fix.
+
     Example::
 
         >>> ActivationCheckpointing([{"modules": "backbone.blocks.*", "every_n": 2}, "offload"]).policies[1].mode
@@ -76,6 +86,7 @@ class ActivationCheckpointing(Callback):
         self.sample_batch = sample_batch
         self.report: CheckpointReport | None = None
         self.chosen: dict[str, str] | None = None  # a budget's choice: block name -> mode
+        self.compile_watch = CompiledCheckpointWatch(CheckpointedForward.__call__)
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -89,6 +100,20 @@ class ActivationCheckpointing(Callback):
         if isinstance(self.policies[0], ActivationBudget) and stage != "fit":
             return  # without a backward pass nothing is saved for it
         after_configure_model(pl_module, lambda: self._apply(trainer, pl_module))
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.compile_watch.start()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.report is None or batch_idx >= WATCHED_BATCHES:
+            return
+        trouble = self.compile_watch.trouble(sum(self.report.classes.values(), Counter()))
+        if trouble:
+            rank_zero_warn(f"ActivationCheckpointing: {trouble}")
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -201,7 +201,10 @@ class _Recompute(torch.autograd.Function):
                 for device, device_state in device_states.items():
                     torch.cuda.set_rng_state(device_state, device)
             stack.enter_context(call.state.norm_stats.paused())
-            output = call.run(detached, call.kept.replay() if call.kept is not None else None)
+            replay = call.kept.replay() if call.kept is not None else None
+            output = call.run(detached, replay)
+        if replay is not None and replay.diverged is not None:
+            call.state.selective.recompute_in_full(type(call.state.module), *replay.diverged)
         recomputed = (
             [output]
             if isinstance(output, torch.Tensor)

@@ -140,25 +140,28 @@ class KeepExpensive(TorchDispatchMode):
         """Whether every kept output still holds what its op made (none was changed in place since)."""
         return all([tensor_version(t) for t in _tensors(output)] == versions for _, output, versions in self.outputs)
 
-    def replay(self) -> TorchDispatchMode:
+    def replay(self) -> _Replay:
         """The mode for the recomputation: kept outputs in place of running their ops again."""
         return _Replay(self.outputs)
 
 
 class _Replay(TorchDispatchMode):
+    """Kept outputs in place of their ops, in order. Where the recomputation issues another kept op than the first
+    run did (autograd on, an attention call may choose another kernel: transformers' Swin under CPU SDPA), the rest
+    of the block runs for real: a full recomputation from there, and ``diverged`` says so."""
+
     def __init__(self, outputs: list[tuple[Any, Any, list[int]]]) -> None:
         super().__init__()
         self.outputs = iter(outputs)
+        self.diverged: tuple[Any, Any] | None = None  # (the op the first run had, the op the recomputation ran)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func not in SAVED_OPS:
+        if func not in SAVED_OPS or self.diverged is not None:
             return func(*args, **(kwargs or {}))
         kept_func, output, _ = next(self.outputs, (None, None, None))
         if kept_func is not func:
-            raise RuntimeError(
-                f"selective checkpointing: the recomputation ran {func} where the first run had {kept_func}; the "
-                "block's forward must issue the same matmuls, convolutions and attention calls every time it runs"
-            )
+            self.diverged = (kept_func, func)
+            return func(*args, **(kwargs or {}))
         return tree_map(lambda value: value.detach() if isinstance(value, torch.Tensor) else value, output)
 
 

@@ -37,6 +37,7 @@ import functools
 import logging
 import time
 import weakref
+from typing import Any
 
 import torch
 
@@ -70,7 +71,22 @@ class SelectivePayoff:
         saved, cost = min(self._saved), kept.ops * mode_seconds_per_op()
         self.pays = saved > cost
         if not self.pays:
-            _log_full_instead(block, saved, cost)
+            _log_full_instead(
+                block,
+                f"its matmuls, convolutions and attention take {saved * 1e3:.3g} ms a call, less than the "
+                f"{cost * 1e3:.3g} ms its per-op replay costs the host (full is then faster and needs less memory)",
+            )
+
+    def recompute_in_full(self, block: type, first: Any, recomputed: Any) -> None:
+        """The recomputation of a block of class ``block`` ran the kept op ``recomputed`` where its first run (autograd
+        off) had ``first``: keeping cannot serve it, so it is recomputed in full from now on (said once a class)."""
+        if self.pays is not False:
+            self.pays = False
+            _log_full_instead(
+                block,
+                f"its recomputation (autograd on) ran {recomputed} where its first run (autograd off) ran {first}, "
+                "so the kept outputs cannot stand in",
+            )
 
 
 _verdicts: dict[int, SelectivePayoff] = {}  # by id(module): modules need not be hashable
@@ -108,14 +124,8 @@ def mode_seconds_per_op(ops: int = 200, rounds: int = 7) -> float:
 _logged: set[type] = set()  # the block classes already named in the log
 
 
-def _log_full_instead(block: type, saved: float, cost: float) -> None:
+def _log_full_instead(block: type, why: str) -> None:
     if block in _logged:
         return
     _logged.add(block)
-    log.info(
-        "selective checkpointing: %s is recomputed in full: its matmuls, convolutions and attention take %.3g ms a "
-        "call, less than the %.3g ms its per-op replay costs the host (full is then faster and needs less memory)",
-        block.__name__,
-        saved * 1e3,
-        cost * 1e3,
-    )
+    log.info("selective checkpointing: %s is recomputed in full: %s", block.__name__, why)

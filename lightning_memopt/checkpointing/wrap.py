@@ -26,6 +26,7 @@ from lightning_memopt.checkpointing.recompute import reaches_one_input, recomput
 from lightning_memopt.checkpointing.recompute_state import RecomputeState, cuda_devices
 from lightning_memopt.checkpointing.selective import selective_context
 from lightning_memopt.checkpointing.traced_graph import TracedGraph
+from lightning_memopt.checkpointing.under_compile import hold_side_effects, release_side_effects
 from lightning_memopt.memory.autocast_lists import under_lists_of_forward
 from lightning_memopt.private_api import is_batch_norm
 from lightning_memopt.selection import describe_model
@@ -69,6 +70,11 @@ class CheckpointedForward:
         self.previous = previous  # an instance forward that was there before ours, kept and restored
         self.state = RecomputeState(module)  # norm statistics and random draws, kept between calls
         self.graph = TracedGraph(module)  # full and selective recomputation by traced graphs, where they can be
+        hold_side_effects(self)  # under torch.compile, a forward that sets an attribute traces (see under_compile)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a deep copy of a checkpointed model holds it too
+        self.__dict__.update(state)
+        hold_side_effects(self)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
@@ -200,6 +206,7 @@ def remove_activation_checkpointing(model: nn.Module) -> int:
         del forward.module.forward  # the instance attribute: back to the class's forward
         if forward.previous is not None:
             forward.module.forward = forward.previous
+        release_side_effects(forward)
     return len(checkpointed)
 
 

@@ -2,10 +2,13 @@
 
 A ``TorchDispatchMode`` (the :class:`~lightning_memopt.memory.MemoryTracker`) active when dynamo first meets a
 frame turns compilation off for that frame for the rest of the process, so the callbacks that track a step
-ask this first.
+ask this first; and a compiled method is bound to its module, so a copy to profile or try is made uncompiled.
 """
 
 from __future__ import annotations
+
+import copy
+from typing import Any
 
 import torch  # noqa: F401  (the example compiles)
 from torch import nn
@@ -47,3 +50,38 @@ def compiled_parts(module: nn.Module) -> list[str]:
             if function_compiled(getattr(submodule, method, None)):
                 found.append(f"{label}.{method} (torch.compile)")
     return found
+
+
+def uncompiled_copy(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
+    """A deep copy of ``module`` (``memo`` as ``copy.deepcopy`` takes it) that runs its own code eagerly.
+
+    A compiled ``forward`` or ``training_step`` (``trainer.fit(torch.compile(model))``) or ``Module.compile()`` is a
+    function bound to ``module`` itself, which a deep copy shares: the copy would train the original's weights. The
+    copy gets its class's methods (or the original function, bound to the copy) instead; a ``torch.compile``'d
+    submodule stays compiled (its wrapper holds the copied module).
+
+    Example::
+
+        >>> net = nn.Linear(2, 2)
+        >>> net.compile()
+        >>> twin = uncompiled_copy(net)
+        >>> compiled_parts(net), compiled_parts(twin)
+        (['Linear (Module.compile())'], [])
+    """
+    twin = copy.deepcopy(module, memo)
+    for submodule in twin.modules():
+        if module_compiled(submodule):
+            submodule._compiled_call_impl = None
+        for method in ("forward", "training_step"):
+            compiled = submodule.__dict__.get(method)
+            if not function_compiled(compiled):
+                continue
+            original = compiled._torchdynamo_orig_callable
+            function = getattr(original, "__func__", None)
+            if function is None:
+                submodule.__dict__[method] = original
+            elif function is getattr(type(submodule), method, None):
+                del submodule.__dict__[method]
+            else:
+                submodule.__dict__[method] = function.__get__(submodule)
+    return twin

@@ -11,7 +11,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memopt.memory.compiled import uncompiled_copy
 from lightning_memopt.private_api import FakeTensorMode, attach_trainer, attached_trainer, tree_map
 
 ModelSource = nn.Module | Callable[[], nn.Module]
@@ -56,7 +56,7 @@ def materialise(model: ModelSource, fake_mode: FakeTensorMode | None) -> nn.Modu
     trainer = attached_trainer(model)
     if trainer is not None:
         memo[id(trainer)] = None
-    return copy.deepcopy(model, memo)
+    return uncompiled_copy(model, memo)
 
 
 def is_lightning_module(module: nn.Module) -> bool:

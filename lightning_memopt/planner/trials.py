@@ -25,7 +25,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import gc
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -37,6 +36,7 @@ from torch import nn
 
 from lightning_memopt.accumulation.split import batch_size, slice_batch
 from lightning_memopt.checkpointing import apply_activation_checkpointing
+from lightning_memopt.memory.compiled import uncompiled_copy
 from lightning_memopt.memory.profile import LossFn, OptimizerSource
 from lightning_memopt.memory.step_parts import (
     build_optimizer,
@@ -277,7 +277,7 @@ class _Trial:
         trainer = attached_trainer(model)
         memo = {} if trainer is None else {id(trainer): None}  # no trial step reaches the run's trainer or loggers
         with disable_current_modes():  # a copy of what the device holds already, not the step's allocations
-            self.model: nn.Module | None = copy.deepcopy(model, memo).to(device)
+            self.model: nn.Module | None = uncompiled_copy(model, memo).to(device)
         set_attention(self.model, knobs.attn_impl)
         policy = knobs.checkpoint_policy(blocks)
         if policy is not None:
