@@ -59,9 +59,11 @@ __all__ = [
     "FakeTensorMode",
     "TorchDispatchMode",
     "abort_process_groups",
+    "activation_memory_budget",
     "assign_buffer",
     "attach_trainer",
     "attached_trainer",
+    "compile_decompositions",
     "compiled_checkpoint_side_effects",
     "compiled_frames",
     "composable_state_keys",
@@ -330,11 +332,14 @@ def recompile_limit() -> int:
 
 # -- torch: tracing a module's forward and backward into graphs ----------------------------------------------------
 def trace_forward_and_backward(
-    function: Callable[..., Any], partition: Callable[..., Any], parameters_and_buffers: int
+    function: Callable[..., Any],
+    partition: Callable[..., Any],
+    parameters_and_buffers: int,
+    decompositions: dict[Any, Callable[..., Any]] | None = None,
 ) -> Callable[..., Any]:
     """``function`` traced (on its first call) into a forward and a backward graph of aten ops that ``partition``
     splits from the joint graph; both run as traced, compiled by nothing. The first ``parameters_and_buffers``
-    arguments are a module's state.
+    arguments are a module's state; ``decompositions`` break ops into smaller ones as they are traced.
 
     missing: a public AOTAutograd entry (``functorch.compile.aot_function``, which ``torch.compile`` builds on, is
     documented as a prototype); imported here, on first use, as it loads part of ``torch._functorch``.
@@ -345,8 +350,32 @@ def trace_forward_and_backward(
         return make_boxed_func(graph.forward)
 
     return aot_function(
-        function, as_traced, as_traced, partition_fn=partition, num_params_buffers=parameters_and_buffers
+        function,
+        as_traced,
+        as_traced,
+        partition_fn=partition,
+        num_params_buffers=parameters_and_buffers,
+        decompositions=decompositions,
     )
+
+
+def activation_memory_budget(budget: float) -> Any:
+    """A context in which the min-cut partitioner saves ``budget`` of what it could (0: recompute all it can).
+
+    missing: a public setting (``torch._functorch.config.activation_memory_budget``; the documented
+    ``torch.autograd.graph.region_activation_memory_budget`` only annotates code dynamo traces).
+    """
+    return torch._functorch.config.patch(activation_memory_budget=budget)
+
+
+def compile_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The decompositions ``torch.compile``'s inductor applies before it partitions a joint graph.
+
+    missing: a public table (``torch._inductor.decomposition.select_decomp_table``).
+    """
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
 
 
 def contiguous_tangents() -> Any:

@@ -15,8 +15,8 @@ Example::
     >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     >>> apply_activation_checkpointing(model, [nn.Linear]), compiled_checkpoint_side_effects()
     (2, True)
-    >>> remove_activation_checkpointing(model), compiled_checkpoint_side_effects()
-    (2, False)
+    >>> remove_activation_checkpointing(model)  # torch's setting comes back once no checkpointed block is left
+    2
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class CompiledCheckpointWatch:
         return (
             f"torch.compile broke its graph at the checkpointed blocks ({names}): {cause}{storm_words}. Fix: make the "
             "blocks traceable (TORCH_LOGS=graph_breaks shows where), checkpoint other modules with the `policy`, or "
-            "leave recomputation to the compiler (no checkpointing; torch._functorch.config.activation_memory_budget)"
+            "leave recomputation to the compiler (no checkpointing; the activation_memory_budget of functorch's config)"
         )
 
 
