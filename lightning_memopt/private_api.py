@@ -101,6 +101,7 @@ __all__ = [
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
+    "uncompile_module",
 ]
 
 # -- torch: operators a dispatch mode recognises ----------------------------------------------------------------
@@ -273,6 +274,14 @@ def module_compiled(module: nn.Module) -> bool:
     missing: a public flag for ``nn.Module.compile()``.
     """
     return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def uncompile_module(module: nn.Module) -> None:
+    """Undo ``module.compile()``: the module's calls run its plain ``forward`` again.
+
+    missing: a public inverse of ``nn.Module.compile()`` (it sets ``_compiled_call_impl``).
+    """
+    module._compiled_call_impl = None
 
 
 def function_compiled(function: Callable[..., Any] | None) -> bool:

@@ -3,6 +3,7 @@
 from lightning_memopt.callbacks.accumulation_scheduler import StepAccumulationScheduler
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
+from lightning_memopt.callbacks.compiled_step import CompiledStep
 from lightning_memopt.callbacks.last_checkpoint import LastCheckpoint
 from lightning_memopt.callbacks.memory_budget import MemoryBudget
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
@@ -14,6 +15,7 @@ from lightning_memopt.callbacks.validation_interval import ValidationWithinEpoch
 __all__ = [
     "ActivationCheckpointing",
     "AdaptiveAccumulation",
+    "CompiledStep",
     "FitSummary",
     "LastCheckpoint",
     "MemoryBudget",

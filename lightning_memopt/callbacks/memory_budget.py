@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_memopt.arguments import check_bool, check_float, check_int, check_optional_float
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
+from lightning_memopt.callbacks.compiled_step import CompiledStep
 from lightning_memopt.callbacks.composite import CallbackGroup
 from lightning_memopt.callbacks.memory_budget_plan import (
     PlanOutcome,
@@ -33,6 +34,7 @@ from lightning_memopt.checkpointing import BlocksSpec, check_blocks
 from lightning_memopt.models.structure import attention_kernels, set_attention
 from lightning_memopt.planner import Knobs, Plan
 from lightning_memopt.planner import gpu as catalogue_gpu
+from lightning_memopt.planner.compiled_plan import weigh_compiled
 from lightning_memopt.planner.hardware import GpuName
 from lightning_memopt.planner.knobs import KnobsMapping
 from lightning_memopt.planner.measured import (
@@ -47,7 +49,7 @@ from lightning_memopt.private_api import training_dataloader
 from lightning_memopt.random_state import random_state_kept
 from lightning_memopt.strategies import MemoptFSDPStrategy
 
-_APPLIED_BY = (PrecisionSwitch, ActivationCheckpointing, AdaptiveAccumulation)
+_APPLIED_BY = (PrecisionSwitch, ActivationCheckpointing, AdaptiveAccumulation, CompiledStep)
 
 
 class MemoryBudget(CallbackGroup):
@@ -101,6 +103,10 @@ class MemoryBudget(CallbackGroup):
         measure_steps: the timed steps per candidate (after two that measure its peak); the fastest counts.
         measure_seconds: the most seconds spent measuring: a trial expected to end past them (from the trials so
             far) is not started, and is reported untried.
+        compile: weigh running the model ``torch.compile``d against the plan's eager choice: at the largest
+            ``activation_memory_budget`` predicted to fit (:mod:`~lightning_memopt.planner.compiled_plan`), both
+            tried on the device, compiling counted against the run's steps; the faster run is applied (a compiled
+            one through :class:`CompiledStep`). On one device only; under DDP and FSDP the eager plan is applied.
 
     Raises:
         MisconfigurationException: bad arguments (in ``__init__``); in ``setup``: a strategy other
@@ -130,6 +136,7 @@ class MemoryBudget(CallbackGroup):
         measure_candidates: int = 6,
         measure_steps: int = 3,
         measure_seconds: float = 60.0,
+        compile: bool = False,
     ) -> None:
         try:
             check_blocks(blocks)  # whether they match the model is checked in setup
@@ -145,6 +152,7 @@ class MemoryBudget(CallbackGroup):
             self.measure_candidates = check_int("measure_candidates", measure_candidates, minimum=1)
             self.measure_steps = check_int("measure_steps", measure_steps, minimum=1)
             self.measure_seconds = check_float("measure_seconds", measure_seconds, minimum=0, open_minimum=True)
+            self.compile = check_bool("compile", compile)
         except (TypeError, ValueError) as error:
             raise MisconfigurationException(f"MemoryBudget: {error}") from None
         super().__init__()
@@ -218,6 +226,8 @@ class MemoryBudget(CallbackGroup):
         if stage == "fit":
             self._check_trainer(trainer)
             knobs = self.knobs or self._agreed_plan(trainer, pl_module)
+            if self.compile and self.knobs is None:
+                knobs = self._compiled_or_eager(trainer, pl_module, knobs)
             self.knobs = knobs
             self._apply(trainer, pl_module, knobs)
         super().setup(trainer, pl_module, stage)  # the applied callbacks' setup, in this hook
@@ -323,6 +333,20 @@ class MemoryBudget(CallbackGroup):
         self._log_measured(report)
         return self.plan.chosen.knobs
 
+    def _compiled_or_eager(self, trainer: Trainer, pl_module: LightningModule, knobs: Knobs) -> Knobs:
+        """The plan's knobs, or the same compiled, whichever ends the run sooner (tried on one device)."""
+        if trainer.world_size > 1 or self.plan is None:
+            rank_zero_info("MemoryBudget: compile is weighed on one device (and after a plan): the eager plan applies")
+            return knobs
+        with random_state_kept():
+            verdict = weigh_compiled(
+                self.plan, pl_module, self._batch(trainer), trainer.strategy.root_device,
+                steps_left=max(1, int(trainer.estimated_stepping_batches)), blocks=self.blocks,
+                trial_steps=self.measure_steps,
+            )  # fmt: skip
+        rank_zero_info(f"MemoryBudget: {verdict.report}")
+        return verdict.knobs
+
     def _log_measured(self, report: str) -> None:
         rank_zero_info(f"MemoryBudget:\n{self.plan.table(self.verbose)}\n{report}")
 
@@ -360,6 +384,8 @@ class MemoryBudget(CallbackGroup):
         policy = knobs.checkpoint_policy(self.blocks)
         if policy is not None:
             applied.append(ActivationCheckpointing(policy))
+        if knobs.compile_budget is not None:
+            applied.append(CompiledStep(knobs.compile_budget))
         self.callbacks = applied  # their setup runs next, in this hook
         rank_zero_info(f"MemoryBudget: applying {knobs.describe()}")
 

@@ -171,11 +171,25 @@ def build_run(cfg: DictConfig) -> Run:
     summary = TrainingSummary(csv_path=results_csv, label=" ".join(overrides), print_summary=True)
     callbacks = instantiate_named(cfg.get("callbacks"), "callbacks")
     callbacks += instantiate_named(cfg.memopt.get("callbacks"), "memopt.callbacks")
+    callbacks += compile_callbacks(check_bool("compile", cfg.get("compile", False)), callbacks)
     plan_ahead(callbacks, model, datamodule, cfg.trainer)  # memopt=auto: MemoryBudget plans before the Trainer exists
     loggers = instantiate_named(cfg.get("logger"), "logger")
     trainer = instantiate(cfg.trainer, callbacks=[*callbacks, summary], logger=loggers or False)
     check_launch_fits_hydra_mode(trainer)
     return Run(trainer, model, datamodule, ckpt_path, summary, objective)
+
+
+def compile_callbacks(compile_model: bool, callbacks: list) -> list:
+    """What ``compile=true`` adds: nothing where a MemoryBudget is there (it is told to weigh compiling), else a
+    CompiledStep at torch's default activation budget."""
+    from lightning_memopt.callbacks import CompiledStep, MemoryBudget
+
+    if not compile_model:
+        return []
+    budgets = [callback for callback in callbacks if isinstance(callback, MemoryBudget)]
+    for budget in budgets:
+        budget.compile = True
+    return [] if budgets else [CompiledStep(1.0)]
 
 
 def fit(run: Run) -> FitSummary:

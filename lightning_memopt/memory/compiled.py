@@ -13,7 +13,7 @@ from typing import Any
 import torch  # noqa: F401  (the example compiles)
 from torch import nn
 
-from lightning_memopt.private_api import function_compiled, module_compiled, optimized_module_class
+from lightning_memopt.private_api import function_compiled, module_compiled, optimized_module_class, uncompile_module
 
 
 def compiled_parts(module: nn.Module) -> list[str]:
@@ -71,7 +71,7 @@ def uncompiled_copy(module: nn.Module, memo: dict[int, Any] | None = None) -> nn
     twin = copy.deepcopy(module, memo)
     for submodule in twin.modules():
         if module_compiled(submodule):
-            submodule._compiled_call_impl = None
+            uncompile_module(submodule)
         for method in ("forward", "training_step"):
             compiled = submodule.__dict__.get(method)
             if not function_compiled(compiled):

@@ -71,12 +71,14 @@ def predict_compiled_step(
     batch: Any,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     budget: float = 1.0,
+    precision: str = "32-true",
 ) -> CompiledStepPeak:
     """The activation memory of ``loss_fn(model, batch).backward()`` compiled with ``activation_memory_budget=budget``.
 
     ``model`` (or the module a factory builds) and ``batch`` are copied onto fake tensors: nothing is allocated or
     run. ``budget`` as torch.compile takes it: 1.0 saves what the runtime-optimal cut saves, 0.0 recomputes the
-    whole forward from its inputs.
+    whole forward from its inputs. ``precision``: a ``-mixed`` one traces the step under autocast to its half type
+    (the casts are in the graph); ``-true`` ones other than fp32 are not modelled and raise.
     """
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"`budget`={budget!r} must be within [0, 1] (torch's activation_memory_budget)")
@@ -102,7 +104,11 @@ def predict_compiled_step(
         return graphs[0], graphs[1]
 
     traced = trace_forward_and_backward(step, partition, len(names), compile_decompositions())
-    with fake_mode:
+    half = {"bf16": torch.bfloat16, "16": torch.float16}.get(precision.split("-")[0])
+    if precision != "32-true" and not (precision.endswith("-mixed") and half is not None):
+        raise ValueError(f"`precision`={precision!r}: a compiled step is predicted at 32-true, bf16-mixed or 16-mixed")
+    autocast = torch.autocast("cpu", dtype=half, enabled=half is not None, cache_enabled=False)
+    with fake_mode, autocast:
         batch_tensors = [leaves[i] if is_fake(leaves[i]) else fake_mode.from_tensor(leaves[i]) for i in positions]
         traced(*(state[name] for name in names), *batch_tensors).backward()
     forward, backward = graphs

@@ -15,6 +15,7 @@ Example::
 from lightning_memopt.models.structure import set_attention
 from lightning_memopt.planner.calibration import measure_cpu
 from lightning_memopt.planner.checkpoint_budget import CheckpointChoice, plan_checkpointing
+from lightning_memopt.planner.compiled_plan import CompiledPlan, plan_compiled
 from lightning_memopt.planner.cost import StepCost, step_cost
 from lightning_memopt.planner.hardware import GPUS, Hardware, cuda_hardware, gpu, with_budget
 from lightning_memopt.planner.knobs import Knobs
@@ -26,6 +27,7 @@ __all__ = [
     "GPUS",
     "Candidate",
     "CheckpointChoice",
+    "CompiledPlan",
     "Hardware",
     "Knobs",
     "MeasuredOption",
@@ -38,6 +40,7 @@ __all__ = [
     "measure_cpu",
     "plan",
     "plan_checkpointing",
+    "plan_compiled",
     "set_attention",
     "step_cost",
     "with_budget",

@@ -9,7 +9,7 @@ from typing import Any
 
 from typing_extensions import TypedDict
 
-from lightning_memopt.arguments import check_bool, check_int, check_optional_int
+from lightning_memopt.arguments import check_bool, check_int, check_optional_float, check_optional_int
 from lightning_memopt.planner.sharding import Sharding
 from lightning_memopt.vocabulary import (
     ATTENTION_IMPLS,
@@ -35,6 +35,7 @@ class KnobsMapping(TypedDict, total=False):
     shards: int
     cpu_offload: bool
     checkpoint_blocks: list[list[str]]
+    compile_budget: float | None
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class Knobs:
             parameters, gradients and optimizer state (1: no sharding).
         cpu_offload: keep the (sharded) parameters, gradients and optimizer state in host memory
             and run the optimizer step there (``fsdp_memopt`` with ``cpu_offload``, at any ``shards``).
+        compile_budget: run the model ``torch.compile``d, its min-cut partitioner saving this fraction in [0, 1] of
+            what it could (``activation_memory_budget``; :mod:`~lightning_memopt.planner.compiled_plan`); ``None``:
+            eager.
 
     Raises:
         ValueError: for a value outside the choices above (``every_n``, ``shards`` and
@@ -75,6 +79,8 @@ class Knobs:
         'bf16-mixed, FSDP ×4, CPU offload'
         >>> Knobs(checkpoint="per_block", checkpoint_blocks={"blocks.0": "full", "blocks.1": "selective"}).describe()
         '32-true, per block: full ×1, selective ×1'
+        >>> Knobs("bf16-mixed", compile_budget=0.6).describe()
+        'bf16-mixed, compiled at activation budget 0.6'
     """
 
     precision: str = "32-true"
@@ -85,6 +91,7 @@ class Knobs:
     shards: int = 1
     cpu_offload: bool = False
     checkpoint_blocks: tuple[tuple[str, str], ...] = ()
+    compile_budget: float | None = None
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
@@ -103,6 +110,8 @@ class Knobs:
         object.__setattr__(self, "cpu_offload", check_bool("cpu_offload", self.cpu_offload))
         size = check_optional_int("micro_batch_size", self.micro_batch_size, minimum=1)
         object.__setattr__(self, "micro_batch_size", size)
+        budget = check_optional_float("compile_budget", self.compile_budget, minimum=0.0, maximum=1.0)
+        object.__setattr__(self, "compile_budget", budget)
 
     @classmethod
     def from_mapping(cls, values: Any, argument: str = "knobs") -> Knobs:
@@ -167,6 +176,8 @@ class Knobs:
             parts.append(self.checkpoint + (f" every {self.every_n}" if self.every_n > 1 else ""))
         if self.micro_batch_size is not None:
             parts.append(f"micro-batch {self.micro_batch_size}")
+        if self.compile_budget is not None:
+            parts.append(f"compiled at activation budget {self.compile_budget:g}")
         sharding = self.sharding.describe()
         return ", ".join([*parts, sharding] if sharding else parts)
 

@@ -47,7 +47,7 @@ from lightning_memopt.memory.step_parts import (
 from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.models.structure import set_attention
 from lightning_memopt.planner.report import Candidate
-from lightning_memopt.private_api import attached_trainer, disable_current_modes, tree_map
+from lightning_memopt.private_api import activation_memory_budget, attached_trainer, disable_current_modes, tree_map
 from lightning_memopt.random_state import random_state_kept
 
 MEASURED, OUT_OF_MEMORY, OVER_BUDGET = "measured", "out of memory", "over the budget"
@@ -163,7 +163,7 @@ def measure_candidates(
     def tried(candidate: Candidate) -> tuple[int | None, float]:
         """``candidate`` run on the device, every rank's outcome agreed: its peak (``None``: out of memory), step."""
         trial_started = time.perf_counter()
-        trial = _Trial(model, batch, candidate.knobs, device, loss_fn, optimizer, blocks)
+        trial = Trial(model, batch, candidate.knobs, device, loss_fn, optimizer, blocks)
         peak: int | None = None
         step_seconds = 0.0
         try:
@@ -260,7 +260,7 @@ def _untried(predicted: Measurement, outcome: str) -> Measurement:
     return Measurement(predicted.knobs, predicted.predicted_seconds, predicted.predicted_peak_bytes, outcome=outcome)
 
 
-class _Trial:
+class Trial:
     """A copy of the model on the device with one candidate's knobs applied, and its optimizer."""
 
     def __init__(
@@ -279,6 +279,10 @@ class _Trial:
         with disable_current_modes():  # a copy of what the device holds already, not the step's allocations
             self.model: nn.Module | None = uncompiled_copy(model, memo).to(device)
         set_attention(self.model, knobs.attn_impl)
+        self.compile_budget: float | None = getattr(knobs, "compile_budget", None)
+        self.compile_seconds = 0.0  # a compiled candidate's first step, less its fastest: compiling
+        if self.compile_budget is not None:
+            self.model.compile()
         policy = knobs.checkpoint_policy(blocks)
         if policy is not None:
             with quiet_logger("lightning_memopt.checkpointing"):
@@ -286,17 +290,29 @@ class _Trial:
         self.step = training_step_fn(self.model, loss_fn)
         self.optimizer: Any = build_optimizer(self.model, optimizer, None)
         moved = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
-        self.pieces = list(_micro_batches(moved, knobs.micro_batch_size))
+        self.pieces = list(micro_batches(moved, knobs.micro_batch_size))
         half = _HALF.get(knobs.precision.split("-")[0])
         self.autocast = (device.type, half, knobs.precision.endswith("-mixed"))
         scaled = knobs.precision == "16-mixed" and device.type == "cuda"
         self.scaler = torch.amp.GradScaler(device.type) if scaled else None
 
     def run(self, steps: int) -> tuple[int, float]:
-        """The peak bytes over two steps, and the fastest of ``steps`` more in seconds."""
+        """The peak bytes over two steps, and the fastest of ``steps`` more in seconds. A compiled candidate compiles
+        in a step before those, under its budget; off CUDA its peak is not measured (0): the tracker's dispatch mode
+        would run it uncompiled."""
         self.model.train()
         on_cuda = self.device.type == "cuda"
-        if on_cuda:
+        first = 0.0
+        if self.compile_budget is not None:
+            started = time.perf_counter()
+            with activation_memory_budget(self.compile_budget):
+                self._step()
+            first = time.perf_counter() - started
+        if self.compile_budget is not None and not on_cuda:
+            peak = 0
+            for _ in range(2):
+                self._step()
+        elif on_cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             for _ in range(2):
@@ -321,6 +337,7 @@ class _Trial:
             if on_cuda:
                 torch.cuda.synchronize(self.device)
             fastest = min(fastest, time.perf_counter() - start)
+        self.compile_seconds = max(0.0, first - fastest) if first else 0.0
         return peak, fastest
 
     def _step(self) -> None:
@@ -346,7 +363,7 @@ class _Trial:
             torch.cuda.empty_cache()
 
 
-def _micro_batches(batch: Any, size: int | None) -> Iterator[tuple[Any, float]]:
+def micro_batches(batch: Any, size: int | None) -> Iterator[tuple[Any, float]]:
     """The batch's micro-batches of ``size`` samples (the whole batch for ``None``), each with its share of it."""
     total = batch_size(batch)
     if size is None or size >= total:

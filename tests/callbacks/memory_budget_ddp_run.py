@@ -21,7 +21,7 @@ from tests.helpers import quiet_trainer
 
 
 def _first_trial_out_of_memory() -> None:
-    run, tried = trials._Trial.run, []
+    run, tried = trials.Trial.run, []
 
     def first_on_a_full_device(self, steps):
         tried.append(self.knobs)
@@ -30,7 +30,7 @@ def _first_trial_out_of_memory() -> None:
         with SimulatedDevice(1):
             return run(self, steps)
 
-    trials._Trial.run = first_on_a_full_device
+    trials.Trial.run = first_on_a_full_device
 
 
 def main(out_dir: str, budget_mib: float, how: list[str]) -> None:

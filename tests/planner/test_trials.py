@@ -234,7 +234,7 @@ def test_those_measured_close_to_the_fastest_run_again_in_the_reverse_order_keep
         ran.append(trial.knobs)
         return 1000, times[trial.knobs].pop(0)
 
-    monkeypatch.setattr(trials._Trial, "run", scripted)
+    monkeypatch.setattr(trials.Trial, "run", scripted)
     found = measure_candidates(_model(), BATCH, candidates, planned.limit_bytes, **OPTIONS)
     assert ran == [c.knobs for c in (*candidates, candidates[1], candidates[0])]
     assert [m.measured_seconds for m in found] == [1.0, 0.95, 2.0]
