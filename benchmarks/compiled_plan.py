@@ -4,18 +4,18 @@
     python benchmarks/compiled_plan.py --table      # print the docs table from the CSV
 
 The models and the instrument are ``compile_budget.py``'s (fp32, train mode, CPU; the CPU allocator's peak of one
-forward and backward above weights, the batch and gradients allocated up front). For each model the plain eager
-step is measured first; its peak ``P`` sets the limits. At each budget ``b`` the limit is ``b × P``, and:
+forward and backward above the weights and the batch), but the gradients are not allocated up front: each step
+starts with ``.grad`` set to None, as Lightning's ``zero_grad`` leaves it, so both sides' peaks hold the gradients
+made in the backward. For each model the plain eager step is measured first; its peak ``P`` sets the limits. At
+each budget ``b`` the limit is ``b × P``, and:
 
 - **eager plan**: the checkpointing ``plan_checkpointing(model, batch, b)`` picks (per block full / selective /
   offload or kept), run eagerly;
 - **compiled plan**: ``plan_compiled(model, batch, loss, b × P)``: the largest ``activation_memory_budget`` of
   1, 0.8, …, 0 whose predicted peak fits, compiled with inductor at that budget.
 
-Both are timed side by side in interleaved rounds (fastest step each), then their peaks measured. A compiled backward
-returns every weight gradient together and autograd adds them into the ``.grad`` allocated up front after it
-returns, so those buffers are in the compiled peak and its prediction (eager adds each as it is made): at a low
-limit the compiled plan may fit nothing. "fits" is the prediction's verdict, "within" the measured peak's.
+Both are timed side by side in interleaved rounds (fastest step each), then their peaks measured. "fits" is the
+prediction's verdict, "within" the measured peak's.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def measure(key: str, budgets: tuple[float, ...], rounds: int) -> list[dict[str,
     build, batch = case.build, case.batch()
     plain, _ = our_variant(build, batch, 1.0)
     plain.step(batch)
+    plain.model.zero_grad(set_to_none=True)
     reference = allocator_peak(lambda: plain.forward(batch)).peak
     rows = []
     for budget in budgets:
@@ -62,8 +63,7 @@ def measure(key: str, budgets: tuple[float, ...], rounds: int) -> list[dict[str,
         compiled = compiled_variant(build, batch, "inductor", choice.budget)
         time_rounds([eager, compiled], batch, rounds)
         for variant in (eager, compiled):
-            for parameter in variant.model.parameters():
-                parameter.grad = torch.zeros_like(parameter)
+            variant.model.zero_grad(set_to_none=True)  # as Lightning's optimizer step leaves them
         peaks = {v.name: allocator_peak(lambda v=v: v.forward(batch)).peak for v in (eager, compiled)}
         row = {
             "model": case.name,

@@ -203,6 +203,7 @@ REGISTRY: dict[str, str | Renderer] = {
     "cli_startup.csv": "cli_startup:table",
     "compile_budget.csv": "compile_budget:table",
     "checkpoint_exactness.csv": "checkpoint_exactness:table",
+    "compiled_plan.csv": "compiled_plan:table",
     "gpu_truth.csv": "gpu_truth:table",
     "gpu_truth_h100.csv": "gpu_truth:table",
     "host_overhead.csv": "host_overhead:table",
@@ -213,6 +214,7 @@ REGISTRY: dict[str, str | Renderer] = {
     # figures in prose
     "activation_checkpointing.csv targets": "activation_checkpointing:targets",
     "compile_budget.csv targets": "compile_budget:targets",
+    "compiled_plan.csv targets": "compiled_plan:targets",
     "cost_model_h200.csv summary": "cost_model_h200:summary",
     "host_twin.csv summary": "host_twin:summary",
     "host_overhead.csv prices": "host_overhead:prices",

@@ -94,6 +94,7 @@ __all__ = [
     "reparametrized",
     "same_memory",
     "storage_base",
+    "storage_key",
     "tensor_slots",
     "tensor_version",
     "trace_forward_and_backward",
@@ -123,6 +124,14 @@ def storage_base(tensor: torch.Tensor) -> torch.Tensor:
     missing: a public ``Tensor.base`` (``_base`` is what ``Tensor.is_view`` would need to name the viewed tensor).
     """
     return tensor._base if tensor._base is not None else tensor
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """A key equal for tensors that share a storage (a view and its base), real or fake.
+
+    missing: a public storage identity (``UntypedStorage._cdata``, what ``StorageWeakRef`` keys by).
+    """
+    return tensor.untyped_storage()._cdata
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

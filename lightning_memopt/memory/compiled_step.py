@@ -39,6 +39,7 @@ from lightning_memopt.private_api import (
     is_fake,
     min_cut_partition,
     reparametrized,
+    storage_key,
     trace_forward_and_backward,
     tree_flatten,
     tree_unflatten,
@@ -82,6 +83,9 @@ def predict_compiled_step(
     """
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"`budget`={budget!r} must be within [0, 1] (torch's activation_memory_budget)")
+    half = {"bf16": torch.bfloat16, "16": torch.float16}.get(precision.split("-")[0])
+    if precision != "32-true" and not (precision.endswith("-mixed") and half is not None):
+        raise ValueError(f"`precision`={precision!r}: a compiled step is predicted at 32-true, bf16-mixed or 16-mixed")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     module = materialise(model, fake_mode)
     state = dict(module.named_parameters()) | dict(module.named_buffers())
@@ -104,9 +108,6 @@ def predict_compiled_step(
         return graphs[0], graphs[1]
 
     traced = trace_forward_and_backward(step, partition, len(names), compile_decompositions())
-    half = {"bf16": torch.bfloat16, "16": torch.float16}.get(precision.split("-")[0])
-    if precision != "32-true" and not (precision.endswith("-mixed") and half is not None):
-        raise ValueError(f"`precision`={precision!r}: a compiled step is predicted at 32-true, bf16-mixed or 16-mixed")
     autocast = torch.autocast("cpu", dtype=half, enabled=half is not None, cache_enabled=False)
     with fake_mode, autocast:
         batch_tensors = [leaves[i] if is_fake(leaves[i]) else fake_mode.from_tensor(leaves[i]) for i in positions]
@@ -138,7 +139,7 @@ def _output_nodes(graph_module: Any) -> list[Any]:
 def _storages(node: Any) -> dict[int, int]:
     """The storages a node's value lives in (an id for each) and their sizes: a view shares its base's."""
     values = [value for value in tree_flatten(node.meta.get("val"))[0] if isinstance(value, torch.Tensor)]
-    return {value.untyped_storage()._cdata: value.untyped_storage().nbytes() for value in values}
+    return {storage_key(value): value.untyped_storage().nbytes() for value in values}
 
 
 def _total(nodes: list[Any]) -> int:

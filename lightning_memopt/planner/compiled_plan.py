@@ -22,7 +22,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -96,14 +95,16 @@ def plan_compiled(
 
 @dataclass(frozen=True)
 class CompileVerdict:
-    """Compiled or eager, and why: both timed on the device (the fastest step of each, and the compiled one's first
-    step less that: compiling), compiling counted against the steps left to run. Not tried: the times are NaN."""
+    """Compiled or eager, and why: each way tried on the device (its fastest step, and a compiled one's first step
+    less that: compiling), compiling counted against the steps left to run. ``tried``: label -> (compile seconds,
+    step seconds), in the order tried; empty where no compiled way fits."""
 
     knobs: Knobs
     report: str
-    eager_seconds: float = math.nan
-    compiled_seconds: float = math.nan
-    compile_seconds: float = math.nan
+    tried: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+EAGER, COMPILED, COMPILED_CHECKPOINTED = "eager", "compiled", "compiled with the plan's checkpointing"
 
 
 def weigh_compiled(
@@ -118,10 +119,13 @@ def weigh_compiled(
     blocks: Any = "auto",
     trial_steps: int = 3,
 ) -> CompileVerdict:
-    """The plan's choice, or the same knobs compiled (no checkpointing of ours: the compiler recomputes) at the largest
-    ``activation_memory_budget`` predicted to fit beside the step's weights, optimizer state and batch, whichever
-    ends the ``steps_left`` steps sooner: both are tried on ``device`` (the compiled one compiles there, timed), and
-    the compiled one wins only if its compile time plus its steps beat the eager steps. Nothing of the run changes.
+    """The plan's choice or a compiled way, whichever ends the ``steps_left`` steps sooner, compiling counted.
+
+    The compiled ways: the same knobs with no checkpointing of ours (the compiler recomputes) at the largest
+    ``activation_memory_budget`` predicted to fit beside the step's weights, optimizer state and batch; and, where
+    the plan checkpoints, the same knobs compiled with its checkpointing (the regions trace into the graph; its
+    peak is taken as the eager plan's prediction). Each is tried on ``device`` (a compiled one compiles there,
+    timed). Nothing of the run changes.
     """
     eager = plan.chosen
     if eager is None:
@@ -133,30 +137,50 @@ def weigh_compiled(
         return training_step_fn(model, loss_fn)(micro_batch)
 
     choice = plan_compiled(module, piece, loss, max(1, plan.limit_bytes - state), precision=eager.knobs.precision)
-    if not choice.fits:
+    ways = {EAGER: eager.knobs}
+    if choice.fits:
+        ways[COMPILED] = replace(
+            eager.knobs, checkpoint="none", every_n=1, checkpoint_blocks=(), compile_budget=choice.budget
+        )
+    if eager.knobs.checkpoint != "none":
+        ways[COMPILED_CHECKPOINTED] = replace(eager.knobs, compile_budget=1.0)
+    if len(ways) == 1:
         return CompileVerdict(
             eager.knobs, f"eager: no compiled step fits ({choice.describe()} beside {state / MIB:.1f} MiB of state)"
         )
-    compiled = replace(eager.knobs, checkpoint="none", every_n=1, checkpoint_blocks=(), compile_budget=choice.budget)
-    seconds: dict[str, float] = {}
-    compile_seconds = 0.0
-    for name, knobs in (("eager", eager.knobs), ("compiled", compiled)):
-        trial = Trial(module, batch, knobs, device, loss_fn, optimizer, blocks)
-        try:
-            _, seconds[name] = trial.run(trial_steps)
-            compile_seconds = max(compile_seconds, trial.compile_seconds)
-        except Exception as error:
-            if not is_oom_error(error):
-                raise
-            seconds[name] = float("inf")
-        finally:
-            trial.release()
-    eager_total = steps_left * seconds["eager"]
-    compiled_total = compile_seconds + steps_left * seconds["compiled"]
-    winner = compiled if compiled_total < eager_total else eager.knobs
-    report = (
-        f"{'compiled' if winner is compiled else 'eager'} over {steps_left} steps: compiled {compile_seconds:.1f} s "
-        f"compiling + {seconds['compiled']:.4f} s a step = {compiled_total:.1f} s, eager ({eager.knobs.describe()}) "
-        f"{seconds['eager']:.4f} s a step = {eager_total:.1f} s; {choice.describe()}"
+    tried = {
+        label: _tried(module, batch, knobs, device, loss_fn, optimizer, blocks, trial_steps)
+        for label, knobs in ways.items()
+    }
+    totals = {label: compiling + steps_left * step for label, (compiling, step) in tried.items()}
+    winner = min(totals, key=totals.__getitem__)
+    described = "; ".join(
+        f"{label} ({ways[label].describe()}) {tried[label][0]:.1f} s compiling + {tried[label][1]:.4f} s a step = "
+        f"{totals[label]:.1f} s"
+        for label in ways
     )
-    return CompileVerdict(winner, report, seconds["eager"], seconds["compiled"], compile_seconds)
+    report = f"{winner} over {steps_left} steps: {described}; {choice.describe()}"
+    return CompileVerdict(ways[winner], report, tried)
+
+
+def _tried(
+    module: nn.Module,
+    batch: Any,
+    knobs: Knobs,
+    device: torch.device,
+    loss_fn: LossFn | None,
+    optimizer: OptimizerSource | None,
+    blocks: Any,
+    steps: int,
+) -> tuple[float, float]:
+    """(compile seconds, the fastest step's seconds) of ``knobs`` tried on ``device``; an OOM is an endless step."""
+    trial = Trial(module, batch, knobs, device, loss_fn, optimizer, blocks)
+    try:
+        _, step = trial.run(steps)
+        return trial.compile_seconds, step
+    except Exception as error:
+        if not is_oom_error(error):
+            raise
+        return 0.0, float("inf")
+    finally:
+        trial.release()
