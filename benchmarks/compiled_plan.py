@@ -103,7 +103,8 @@ def table(path: Path) -> str:
                 model if model != previous else "",
                 f"{float(row['budget']):g}",
                 f"{float(row['limit_mib']):.1f}",
-                f"{row['eager_modes']}: {float(row['eager_peak_mib']):.1f}",
+                f"{row['eager_modes']}: {float(row['eager_peak_mib']):.1f}"
+                + (" (over)" if float(row["eager_peak_mib"]) > float(row["limit_mib"]) else ""),
                 f"{float(row['compile_budget']):g}" + ("" if fits else " (none fits)"),
                 f"{float(row['compiled_predicted_mib']):.1f}",
                 compiled_peak,

@@ -341,11 +341,12 @@ def compiled_frames(function: Callable[..., Any]) -> int:
 def recompile_limit() -> int:
     """Dynamo's limit of compiled entries for one frame, past which it runs the frame eagerly.
 
-    missing: a public name (``torch._dynamo.config.recompile_limit``).
+    missing: a public name (``torch._dynamo.config.recompile_limit``; ``cache_size_limit`` before torch 2.7).
     """
     import torch._dynamo
 
-    return int(torch._dynamo.config.recompile_limit)
+    config = torch._dynamo.config
+    return int(getattr(config, "recompile_limit", None) or config.cache_size_limit)
 
 
 # -- torch: tracing a module's forward and backward into graphs ----------------------------------------------------

@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_memopt.arguments import check_float
 from lightning_memopt.memory.compiled import compiled_parts
-from lightning_memopt.private_api import activation_memory_budget, uncompile_module
+from lightning_memopt.private_api import activation_memory_budget
 
 
 class CompiledStep(Callback):
-    """Compile the module in place (``module.compile()``) in ``setup`` of a fit, at an activation memory budget.
+    """Compile the module's ``training_step`` in ``setup`` of a fit, at an activation memory budget.
 
-    Compilation is lazy: the first training step compiles, with the budget set for the whole fit. In ``teardown``
-    the module runs uncompiled again and the setting is as it was. A module that runs compiled code already is left
-    as it is, with a warning (its compile is the user's). ``MemoryBudget`` applies it for knobs with a
-    ``compile_budget``.
+    Lightning calls ``training_step`` itself, so that is what runs compiled (with whatever it calls: ``self(x)``,
+    ``self.network(x)``). Compilation is lazy: the first training step compiles, with the budget set for the whole
+    fit. In ``teardown`` (or when the fit fails) the module runs uncompiled again and the setting is as it was. A
+    module that runs compiled code already is left as it is, with a warning (its compile is the user's).
+    ``MemoryBudget`` applies it for knobs with a ``compile_budget``.
 
     Args:
         budget: the fraction in [0, 1] of what the min-cut partitioner could save that it saves
@@ -47,7 +49,7 @@ class CompiledStep(Callback):
                 f"with its own settings, at activation_memory_budget {self.budget:g}"
             )
         else:
-            pl_module.compile()
+            pl_module.training_step = torch.compile(pl_module.training_step)  # an instance attribute, deleted after
             self._compiled_here = True
         self._setting = contextlib.ExitStack()
         self._setting.enter_context(activation_memory_budget(self.budget))
@@ -55,11 +57,17 @@ class CompiledStep(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+        if stage == "fit":
+            self._undo(pl_module)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._undo(pl_module)  # Lightning skips teardown after an error: the next fit in this process starts clean
+
+    def _undo(self, pl_module: LightningModule) -> None:
         if self._setting is not None:
             self._setting.close()
             self._setting = None
         if self._compiled_here:
-            uncompile_module(pl_module)
+            del pl_module.training_step
             self._compiled_here = False

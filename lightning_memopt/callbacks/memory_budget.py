@@ -13,7 +13,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lightning_memopt.arguments import check_bool, check_float, check_int, check_optional_float
@@ -338,12 +338,18 @@ class MemoryBudget(CallbackGroup):
         if trainer.world_size > 1 or self.plan is None:
             rank_zero_info("MemoryBudget: compile is weighed on one device (and after a plan): the eager plan applies")
             return knobs
-        with random_state_kept():
-            verdict = weigh_compiled(
-                self.plan, pl_module, self._batch(trainer), trainer.strategy.root_device,
-                steps_left=max(1, int(trainer.estimated_stepping_batches)), blocks=self.blocks,
-                trial_steps=self.measure_steps,
-            )  # fmt: skip
+        try:
+            with random_state_kept():
+                verdict = weigh_compiled(
+                    self.plan, pl_module, self._batch(trainer), trainer.strategy.root_device,
+                    steps_left=max(1, int(trainer.estimated_stepping_batches)), blocks=self.blocks,
+                    trial_steps=self.measure_steps,
+                )  # fmt: skip
+        except Exception as error:  # noqa: BLE001 (compiling is an option: the eager plan stands)
+            rank_zero_warn(
+                f"MemoryBudget: compile not weighed ({type(error).__name__}: {error}); the eager plan applies"
+            )
+            return knobs
         rank_zero_info(f"MemoryBudget: {verdict.report}")
         return verdict.knobs
 

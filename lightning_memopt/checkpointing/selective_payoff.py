@@ -82,10 +82,11 @@ class SelectivePayoff:
         off) had ``first``: keeping cannot serve it, so it is recomputed in full from now on (said once a class)."""
         if self.pays is not False:
             self.pays = False
+            ran = f"ran {first}" if first is not None else "had no more matmuls, convolutions or attention"
             _log_full_instead(
                 block,
-                f"its recomputation (autograd on) ran {recomputed} where its first run (autograd off) ran {first}, "
-                "so the kept outputs cannot stand in",
+                f"its recomputation (autograd on) ran {recomputed} where its first run (autograd off) {ran}, so the "
+                "kept outputs cannot stand in",
             )
 
 

@@ -39,25 +39,33 @@ _AT_BLOCKS = ("torch.utils.checkpoint.checkpoint", "_OffloadContext")
 
 
 class _SideEffectsHold:
-    """The checkpointed blocks' forwards alive, and dynamo's setting before the first: restored after the last."""
+    """The checkpointed blocks' forwards alive, and dynamo's setting before the first: restored after the last (one
+    unwrapped, or one collected with its model)."""
 
     holders: weakref.WeakSet[Any] = weakref.WeakSet()
+    held = False
     before = False
 
 
 def hold_side_effects(forward: object) -> None:
     """A checkpointed block's ``forward``: dynamo traces its Python side effects once, in the forward."""
-    if not _SideEffectsHold.holders:
+    if not _SideEffectsHold.held:
         _SideEffectsHold.before = compiled_checkpoint_side_effects(True)
+        _SideEffectsHold.held = True
     _SideEffectsHold.holders.add(forward)
+    weakref.finalize(forward, _restore_when_none_left)
 
 
 def release_side_effects(forward: object) -> None:
-    """A block no longer checkpointed: after the last (a deleted model's count as gone), dynamo's setting is as it
-    was."""
+    """A block no longer checkpointed: after the last, dynamo's setting is as it was."""
     _SideEffectsHold.holders.discard(forward)
-    if not _SideEffectsHold.holders:
+    _restore_when_none_left()
+
+
+def _restore_when_none_left() -> None:
+    if _SideEffectsHold.held and not any(True for _ in _SideEffectsHold.holders):  # the live ones only
         compiled_checkpoint_side_effects(_SideEffectsHold.before)
+        _SideEffectsHold.held = False
 
 
 class CompiledCheckpointWatch:

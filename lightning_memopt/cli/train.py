@@ -180,8 +180,11 @@ def build_run(cfg: DictConfig) -> Run:
 
 
 def compile_callbacks(compile_model: bool, callbacks: list) -> list:
-    """What ``compile=true`` adds: nothing where a MemoryBudget is there (it is told to weigh compiling), else a
-    CompiledStep at torch's default activation budget."""
+    """What ``compile=true`` adds: nothing where a MemoryBudget is there (it weighs compiling, or, given knobs
+    without a ``compile_budget``, applies them compiled at torch's default budget), else a CompiledStep at that
+    budget."""
+    from dataclasses import replace
+
     from lightning_memopt.callbacks import CompiledStep, MemoryBudget
 
     if not compile_model:
@@ -189,6 +192,8 @@ def compile_callbacks(compile_model: bool, callbacks: list) -> list:
     budgets = [callback for callback in callbacks if isinstance(callback, MemoryBudget)]
     for budget in budgets:
         budget.compile = True
+        if budget.knobs is not None and budget.knobs.compile_budget is None:
+            budget.knobs = replace(budget.knobs, compile_budget=1.0)
     return [] if budgets else [CompiledStep(1.0)]
 
 

@@ -15,13 +15,16 @@ from torch import nn
 
 from lightning_memopt.private_api import function_compiled, module_compiled, optimized_module_class, uncompile_module
 
+# the methods `trainer.fit(torch.compile(module))` compiles on the module (Lightning's `from_compiled`)
+COMPILED_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
+
 
 def compiled_parts(module: nn.Module) -> list[str]:
     """The parts of ``module`` that run ``torch.compile``d code, named for a message; empty if none.
 
     Found: compiled submodules (``torch.compile(submodule)``, ``submodule.compile()``), and a compiled
-    ``forward`` or ``training_step`` (decorated, assigned, or ``trainer.fit(torch.compile(model))``, which
-    Lightning turns into both). A compiled function that the module calls from elsewhere is not found.
+    ``forward`` or step method (decorated, assigned, or ``trainer.fit(torch.compile(model))``, which
+    Lightning turns into those). A compiled function that the module calls from elsewhere is not found.
 
     Example::
 
@@ -46,7 +49,7 @@ def compiled_parts(module: nn.Module) -> list[str]:
         if module_compiled(submodule):
             found.append(f"{label} (Module.compile())")
             continue
-        for method in ("forward", "training_step"):
+        for method in COMPILED_METHODS:
             if function_compiled(getattr(submodule, method, None)):
                 found.append(f"{label}.{method} (torch.compile)")
     return found
@@ -55,7 +58,7 @@ def compiled_parts(module: nn.Module) -> list[str]:
 def uncompiled_copy(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
     """A deep copy of ``module`` (``memo`` as ``copy.deepcopy`` takes it) that runs its own code eagerly.
 
-    A compiled ``forward`` or ``training_step`` (``trainer.fit(torch.compile(model))``) or ``Module.compile()`` is a
+    A compiled ``forward`` or step method (``trainer.fit(torch.compile(model))``) or ``Module.compile()`` is a
     function bound to ``module`` itself, which a deep copy shares: the copy would train the original's weights. The
     copy gets its class's methods (or the original function, bound to the copy) instead; a ``torch.compile``'d
     submodule stays compiled (its wrapper holds the copied module).
@@ -72,7 +75,7 @@ def uncompiled_copy(module: nn.Module, memo: dict[int, Any] | None = None) -> nn
     for submodule in twin.modules():
         if module_compiled(submodule):
             uncompile_module(submodule)
-        for method in ("forward", "training_step"):
+        for method in COMPILED_METHODS:
             compiled = submodule.__dict__.get(method)
             if not function_compiled(compiled):
                 continue

@@ -4,8 +4,9 @@
 what the runtime-optimal cut saves; 0.0: nothing it can recompute). The fastest compiled step that fits is the one
 that saves the most within the limit: :func:`plan_compiled` predicts each budget's peak in fake mode
 (:func:`~lightning_memopt.memory.compiled_step.predict_compiled_step`), from the largest down, and stops at the first
-that fits. Apply the choice with ``torch._functorch.config.patch(activation_memory_budget=plan.budget)`` around the
-first compiled step (compilation is lazy), no activation checkpointing of ours beside it.
+that fits. :class:`~lightning_memopt.callbacks.CompiledStep` applies a choice (the budget set while the first step
+compiles). :func:`weigh_compiled` tries it, and the plan's own checkpointing compiled, against the eager plan on the
+device, compiling counted against the run.
 
 Example::
 
@@ -142,14 +143,17 @@ def weigh_compiled(
         ways[COMPILED] = replace(
             eager.knobs, checkpoint="none", every_n=1, checkpoint_blocks=(), compile_budget=choice.budget
         )
-    if eager.knobs.checkpoint != "none":
+    offloads = eager.knobs.checkpoint == "offload" or any(
+        mode == "offload" for _, mode in eager.knobs.checkpoint_blocks
+    )
+    if eager.knobs.checkpoint != "none" and not offloads:  # offloaded blocks break the graph: no compiled step there
         ways[COMPILED_CHECKPOINTED] = replace(eager.knobs, compile_budget=1.0)
     if len(ways) == 1:
         return CompileVerdict(
             eager.knobs, f"eager: no compiled step fits ({choice.describe()} beside {state / MIB:.1f} MiB of state)"
         )
     tried = {
-        label: _tried(module, batch, knobs, device, loss_fn, optimizer, blocks, trial_steps)
+        label: _tried(module, batch, knobs, device, loss_fn, optimizer, blocks, trial_steps, plan.limit_bytes)
         for label, knobs in ways.items()
     }
     totals = {label: compiling + steps_left * step for label, (compiling, step) in tried.items()}
@@ -172,12 +176,14 @@ def _tried(
     optimizer: OptimizerSource | None,
     blocks: Any,
     steps: int,
+    limit_bytes: int,
 ) -> tuple[float, float]:
-    """(compile seconds, the fastest step's seconds) of ``knobs`` tried on ``device``; an OOM is an endless step."""
+    """(compile seconds, the fastest step's seconds) of ``knobs`` tried on ``device``; an OOM, or a measured peak
+    over ``limit_bytes`` (off CUDA a compiled step's peak is not measured: 0), is an endless step."""
     trial = Trial(module, batch, knobs, device, loss_fn, optimizer, blocks)
     try:
-        _, step = trial.run(steps)
-        return trial.compile_seconds, step
+        peak, step = trial.run(steps)
+        return trial.compile_seconds, step if peak <= limit_bytes else float("inf")
     except Exception as error:
         if not is_oom_error(error):
             raise

@@ -279,15 +279,15 @@ class Trial:
         with disable_current_modes():  # a copy of what the device holds already, not the step's allocations
             self.model: nn.Module | None = uncompiled_copy(model, memo).to(device)
         set_attention(self.model, knobs.attn_impl)
-        self.compile_budget: float | None = getattr(knobs, "compile_budget", None)
+        self.compile_budget: float | None = knobs.compile_budget
         self.compile_seconds = 0.0  # a compiled candidate's first step, less its fastest: compiling
-        if self.compile_budget is not None:
-            self.model.compile()
         policy = knobs.checkpoint_policy(blocks)
         if policy is not None:
             with quiet_logger("lightning_memopt.checkpointing"):
                 apply_activation_checkpointing(self.model, policy)
         self.step = training_step_fn(self.model, loss_fn)
+        if self.compile_budget is not None:  # what CompiledStep compiles: the training step, with all it calls
+            self.step = torch.compile(self.step)
         self.optimizer: Any = build_optimizer(self.model, optimizer, None)
         moved = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
         self.pieces = list(micro_batches(moved, knobs.micro_batch_size))

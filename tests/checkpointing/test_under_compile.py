@@ -3,6 +3,7 @@ breaks the graph at the blocks is said once, naming them; planning a compiled mo
 uncompiled."""
 
 import copy
+import gc
 import warnings
 import weakref
 
@@ -51,6 +52,7 @@ class BreakingBlock(nn.Module):
 def no_other_checkpointed_blocks(monkeypatch):
     """Only this test's blocks hold dynamo's setting (other tests' models may live on), and torch's default first."""
     monkeypatch.setattr(under_compile._SideEffectsHold, "holders", weakref.WeakSet())
+    monkeypatch.setattr(under_compile._SideEffectsHold, "held", False)
     before = compiled_checkpoint_side_effects(False)
     yield
     compiled_checkpoint_side_effects(before)
@@ -109,6 +111,20 @@ def test_a_deep_copy_of_a_checkpointed_model_keeps_the_setting_after_the_origina
     remove_activation_checkpointing(model)
     assert compiled_checkpoint_side_effects() is True
     remove_activation_checkpointing(twin)
+    assert compiled_checkpoint_side_effects() is False
+
+
+def test_a_checkpointed_model_deleted_without_unwrapping_gives_the_setting_back():
+    """As a planner trial drops its checkpointed copy: the setting comes back when the last block is collected, and the
+    next checkpointing remembers torch's own value, not ours."""
+    model = _stack(ShiftingBlock)
+    apply_activation_checkpointing(model, [ShiftingBlock])
+    del model
+    gc.collect()
+    assert compiled_checkpoint_side_effects() is False
+    again = _stack(ShiftingBlock)
+    apply_activation_checkpointing(again, [ShiftingBlock])
+    remove_activation_checkpointing(again)
     assert compiled_checkpoint_side_effects() is False
 
 
