@@ -25,7 +25,7 @@ class CompiledStep(Callback):
 
     Args:
         budget: the fraction in [0, 1] of what the min-cut partitioner could save that it saves
-            (``activation_memory_budget``; 1.0 is torch's default, 0.0 recomputes all it can).
+            (``activation_memory_budget``; 1.0, the default, is torch's; 0.0 recomputes all it can).
 
     Example::
 
@@ -33,7 +33,7 @@ class CompiledStep(Callback):
         0.6
     """
 
-    def __init__(self, budget: float) -> None:
+    def __init__(self, budget: float = 1.0) -> None:
         self.budget = check_float("budget", budget, minimum=0.0, maximum=1.0)
         self._setting: contextlib.ExitStack | None = None
         self._compiled_here = False

@@ -138,9 +138,9 @@ def test_compiled_parts_finds_each_way_of_compiling():
             return x
 
     assert compiled_parts(nn.Sequential(Decorated())) == ["0.forward (torch.compile)"]
-    # trainer.fit(torch.compile(model)): Lightning unwraps it and compiles forward and training_step
+    # trainer.fit(torch.compile(model)): Lightning unwraps it and compiles forward and every step method
     module = from_compiled(torch.compile(FaceRecognitionModule(num_classes=4, backbone="iresnet_tiny")))
     assert compiled_parts(module) == [
-        "FaceRecognitionModule.forward (torch.compile)",
-        "FaceRecognitionModule.training_step (torch.compile)",
+        f"FaceRecognitionModule.{method} (torch.compile)"
+        for method in ("forward", "training_step", "validation_step", "test_step", "predict_step")
     ]
