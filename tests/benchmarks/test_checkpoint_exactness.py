@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+import torch._inductor.config
 
 from tests.helpers import load_benchmark
 
@@ -47,7 +48,8 @@ def test_a_compiled_step_past_its_bound_is_stopped_and_said():
 @pytest.mark.slow
 def test_swin_checkpointed_trains_two_inductor_steps_within_fifteen_minutes_near_eager():
     """The issue's target: two compiled steps of a checkpointed transformers Swin within 15 minutes, gradients within
-    1e-5 of eager."""
+    1e-5 of eager. Swin draws drop-path masks: inductor's own generator draws other numbers than eager's, so the
+    compile falls back to eager's random ops (otherwise the masks, not the compile, differ: 1.1e-5 seen)."""
     case = _case("transformers Swin")
     build, batch, loss = case
     torch.manual_seed(0)
@@ -58,9 +60,10 @@ def test_swin_checkpointed_trains_two_inductor_steps_within_fifteen_minutes_near
     torch._dynamo.reset()
     runner = torch.compile(compiled_model)
     started = time.perf_counter()
-    for model in (eager_model, runner, eager_model, runner):
-        torch.manual_seed(1)
-        loss(model(*inputs)).backward()
+    with torch._inductor.config.patch(fallback_random=True):
+        for model in (eager_model, runner, eager_model, runner):
+            torch.manual_seed(1)
+            loss(model(*inputs)).backward()
     assert time.perf_counter() - started < 900
     for (name, expected), got in zip(eager_model.named_parameters(), compiled_model.parameters(), strict=True):
         assert (expected.grad - got.grad).abs().max().item() <= 1e-5, name
