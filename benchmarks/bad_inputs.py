@@ -61,7 +61,15 @@ class Case:
 
 
 def _train(group: str, *args: str, expect: tuple[str, ...], base: list[str] = TINY) -> Case:
-    return Case(group, "memopt-train", (*base, *args), expect)
+    return Case(group, "memopt-train", (*base, *args), tuple(_as_typed(part, args) for part in expect))
+
+
+def _as_typed(part: str, overrides: tuple[str, ...]) -> str:
+    """An expected `` `name` `` as the line names it: the key the override typed (`` `data.batch_size` ``)."""
+    keys = [override.split("=", 1)[0] for override in overrides]
+    name = part[1:-1] if part.startswith("`") and part.endswith("`") else None
+    typed = [key for key in keys if name and key.endswith(f".{name}")]
+    return f"`{typed[0]}`" if typed else part
 
 
 CASES = [

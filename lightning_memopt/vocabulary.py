@@ -69,3 +69,22 @@ def format_bytes(nbytes: float, digits: int = 2, gib_from: float = GIB) -> str:
     if nbytes >= gib_from:
         return f"{nbytes / GIB:.{digits}f} GiB"
     return f"{nbytes / MIB:.{digits}f} MiB"
+
+
+def aligned_table(header: list[str], body: list[list[str]], left: frozenset[int] = frozenset()) -> list[str]:
+    """``header`` and ``body`` as aligned lines, two spaces between columns: the columns in ``left`` flush left,
+    the others (numbers) flush right.
+
+    Example::
+
+        >>> aligned_table(["name", "MiB"], [["a", "1.50"], ["long", "12.00"]], left=frozenset({0}))
+        ['name    MiB', 'a      1.50', 'long  12.00']
+    """
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    return [
+        "  ".join(
+            cell.ljust(width) if i in left else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(line, widths, strict=True))
+        ).rstrip()
+        for line in [header, *body]
+    ]

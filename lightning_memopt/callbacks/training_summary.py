@@ -34,8 +34,9 @@ class FitSummary:
     timed_samples: int = 0  # the samples of the timed batches (off CUDA the memory-counted batch is not timed)
     train_seconds: float = 0.0
     final_loss: float | None = None
-    peak_memory_bytes: int | None = None
+    peak_memory_bytes: int | None = None  # tensor bytes: the CUDA allocator's peak, else the MemoryTracker's count
     peak_memory_source: str = ""
+    peak_rss_bytes: int | None = None  # off CUDA where no batch was counted: the process's peak resident set size
 
     @property
     def samples_per_second(self) -> float:
@@ -45,6 +46,8 @@ class FitSummary:
         """A short human-readable table."""
         loss = "n/a" if self.final_loss is None else f"{self.final_loss:.4f}"
         memory = "n/a" if self.peak_memory_bytes is None else format_bytes(self.peak_memory_bytes, gib_from=0)
+        if self.peak_rss_bytes is not None:
+            memory = f"{format_bytes(self.peak_rss_bytes, gib_from=0)} resident"
         return "\n".join(
             [
                 "memopt-train summary",
@@ -99,6 +102,7 @@ LOGGED_FIGURES = (
     "train_seconds",
     "final_loss",
     "peak_memory_bytes",
+    "peak_rss_bytes",
 )
 
 
@@ -106,7 +110,7 @@ class TrainingSummary(Callback):
     """Measure a fit and log its figures to the trainer's loggers at its end (rank 0); optionally print them.
 
     At fit end every logger gets ``memopt/summary/steps``, ``…/samples``, ``…/samples_per_second``,
-    ``…/train_seconds``, ``…/final_loss`` and ``…/peak_memory_bytes`` (the last two where known) in one
+    ``…/train_seconds``, ``…/final_loss`` and ``…/peak_memory_bytes`` or ``…/peak_rss_bytes`` (where known) in one
     ``log_metrics`` call, at the step Lightning's loggers reached (the number of optimizer steps);
     ``summary`` holds them, with ``peak_memory_source`` saying where the peak comes from.
 
@@ -117,9 +121,9 @@ class TrainingSummary(Callback):
     counted by a :class:`~lightning_memopt.memory.MemoryTracker` — parameters, gradients,
     optimizer state, the batch and the step's tensors, the same every run — and that batch's time
     and samples are left out of the throughput; a fit that ends before that batch reports the
-    process's peak resident set size instead, and so does a model that runs code compiled by ``torch.compile``
-    (the tracker, a ``TorchDispatchMode``, would turn compilation off for the rest of the run: it is
-    skipped, with one warning).
+    process's peak resident set size instead, under its own key (``peak_rss_bytes``), and so does a model that
+    runs code compiled by ``torch.compile`` (the tracker, a ``TorchDispatchMode``, would turn compilation off for
+    the rest of the run: it is skipped, with one warning).
 
     Args:
         loss_key: the logged metric reported as the final loss.
@@ -255,7 +259,7 @@ class TrainingSummary(Callback):
         if self._device.type == "cuda":
             self.summary.peak_memory_bytes = peak_since_mark(self._device)
         elif self.summary.peak_memory_bytes is None:  # the counted batch never ran, or was not tracked
-            self.summary.peak_memory_bytes = _process_peak_rss_bytes()
+            self.summary.peak_rss_bytes = _process_peak_rss_bytes()
         if trainer.is_global_zero:
             self._log(trainer)
             if self.print_summary:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -105,3 +107,40 @@ def route_lightning_logs() -> int:
                 logger.propagate = True
                 removed += 1
     return removed
+
+
+def with_config_keys(message: str, cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
+    """``message`` with each argument it names in backticks (`` `batch_size` ``) written as the config key that
+    sets it (`` `data.batch_size` ``): the key among ``overrides`` (what the user typed), else the config's only key
+    of that name; a name no key or several keys end in stays as it is.
+
+    Example::
+
+        >>> from omegaconf import OmegaConf
+        >>> cfg = OmegaConf.create({"data": {"batch_size": -4}, "model": {"warmup_steps": 9, "lr": 0.1}})
+        >>> with_config_keys("`batch_size` must be an integer ≥ 1, got -4", cfg)
+        '`data.batch_size` must be an integer ≥ 1, got -4'
+    """
+    keys = [key for key in dotted_keys(cfg) if not key.startswith("hydra.")]
+    typed = [override.split("=", 1)[0].lstrip("+~") for override in overrides]
+
+    def full_key(found: re.Match[str]) -> str:
+        name = found.group(1)
+        if name in keys:
+            return found.group(0)
+        ending = [key for key in keys if key.endswith(f".{name}")]
+        chosen = [key for key in ending if key in typed] or ending
+        return f"`{chosen[0]}`" if len(chosen) == 1 else found.group(0)
+
+    return re.sub(r"`(\w+)`", full_key, message)
+
+
+def dotted_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Every key of ``node`` as a dotted path (interpolations left unresolved)."""
+    keys = []
+    for name, child in node.items_ex(resolve=False):
+        path = f"{prefix}{name}"
+        keys.append(path)
+        if isinstance(child, DictConfig):
+            keys += dotted_keys(child, f"{path}.")
+    return keys

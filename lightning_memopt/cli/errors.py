@@ -21,10 +21,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, InstantiationException
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_memopt.arguments import InputError
+from lightning_memopt.cli.config import with_config_keys
 
 # What torch puts into the message of an error re-raised from a DataLoader worker, before the worker's traceback
 WORKER_TRACEBACK = "Original Traceback (most recent call last)"
@@ -97,13 +100,15 @@ def _input_error(error: BaseException, building: bool) -> BaseException | None:
 
 
 @contextmanager
-def input_errors(app: str, building: bool = False) -> Iterator[None]:
+def input_errors(app: str, building: bool = False, config: DictConfig | None = None) -> Iterator[None]:
     """End a bad input's error with one line and exit status 2 (re-raised as it is with ``--debug``).
 
     Args:
         app: the name the line starts with.
         building: the block builds the run from its config (any ``ValueError`` / ``TypeError`` is then the
             input's); otherwise it runs it.
+        config: the run's config: an argument the line names (`` `batch_size` ``) is written as the key that sets it
+            (`` `data.batch_size` ``; :func:`~lightning_memopt.cli.config.with_config_keys`).
 
     Example::
 
@@ -116,7 +121,10 @@ def input_errors(app: str, building: bool = False) -> Iterator[None]:
         cause = _input_error(error, building)
         if cause is None or debugging():
             raise
-        fail(app, describe(cause))
+        if config is None:
+            fail(app, describe(cause))
+        overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+        fail(app, with_config_keys(describe(cause), config, overrides))
 
 
 def describe(error: BaseException) -> str:

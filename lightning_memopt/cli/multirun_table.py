@@ -22,7 +22,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from lightning_memopt.vocabulary import format_bytes
+from lightning_memopt.vocabulary import aligned_table, format_bytes
 
 SUMMARY_FILE = "job_summary.json"
 
@@ -67,16 +67,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ]
         for row, own in zip(rows, overrides, strict=True)
     ]
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    left = {1, 2}  # the text columns; numbers align right
-    lines = [
-        "  ".join(
-            cell.ljust(width) if i in left else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(line, widths, strict=True))
-        )
-        for line in [header, *body]
-    ]
-    return "\n".join([*(line.rstrip() for line in lines), *([f"every job: {' '.join(shared)}"] if shared else [])])
+    lines = aligned_table(header, body, left=frozenset({1, 2}))  # the text columns; numbers align right
+    return "\n".join([*lines, *([f"every job: {' '.join(shared)}"] if shared else [])])
 
 
 class MultirunTable(Callback):

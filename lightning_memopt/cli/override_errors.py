@@ -22,10 +22,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
-from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_memopt.cli.config import config_dir
+from lightning_memopt.cli.config import config_dir, dotted_keys
 from lightning_memopt.cli.errors import describe
 
 # command-line flags after which the apps compose nothing themselves: Hydra answers them as it does
@@ -87,18 +86,7 @@ def _unknown_key(config_name: str, error: ConfigCompositionException, overrides:
         config = compose(config_name, overrides=others)
     except (HydraException, OmegaConfBaseException):
         config = None
-    near = difflib.get_close_matches(key, _dotted_keys(config), n=3, cutoff=0.75) if config is not None else []
+    near = difflib.get_close_matches(key, dotted_keys(config), n=3, cutoff=0.75) if config is not None else []
     named = ", ".join(f"`{name}`" for name in near)
     hint = f"; did you mean {named}?" if near else ""
     return f"`{key}`: no such key in the config{hint} (a new key: +{key}={value})"
-
-
-def _dotted_keys(node: DictConfig, prefix: str = "") -> list[str]:
-    """Every key of ``node`` as a dotted path (interpolations left unresolved)."""
-    keys = []
-    for name, child in node.items_ex(resolve=False):
-        path = f"{prefix}{name}"
-        keys.append(path)
-        if isinstance(child, DictConfig):
-            keys += _dotted_keys(child, f"{path}.")
-    return keys

@@ -103,9 +103,11 @@ def _plan_app(cfg: DictConfig) -> float:
     route_lightning_logs()
     from lightning_memopt.planner.command import train_command
 
-    with input_errors("memopt-plan", building=True):
+    with input_errors("memopt-plan", building=True, config=cfg):
         result, overrides, measured = plan_config(cfg, list(HydraConfig.get().overrides.task))
-    print(result.table(verbose=bool(cfg.plan.get("verbose", False))), flush=True)
+    command = None if result.chosen is None else train_command(overrides, result.chosen.knobs)
+    verbose = check_bool("plan.verbose", cfg.plan.get("verbose", False))
+    print(result.table(verbose, command, verbose_switch="plan.verbose=true"), flush=True)
     if measured is not None:
         print(measured, flush=True)
     if cfg.plan.png:
@@ -113,7 +115,6 @@ def _plan_app(cfg: DictConfig) -> float:
         print(f"wrote {cfg.plan.png}", flush=True)
     if result.chosen is None:
         fail("memopt-plan", "no configuration fits (see the table above): allow more devices, or lower the batch size")
-    print(f"run it with:\n  {train_command(overrides, result.chosen.knobs)}", flush=True)
     return result.chosen.peak_bytes / GIB
 
 

@@ -75,7 +75,7 @@ def _profile_app(cfg: DictConfig) -> float:
     """Hydra task: prints the profile table and returns the peak in GiB."""
     task_started()
     route_lightning_logs()
-    with input_errors("memopt-profile", building=True):
+    with input_errors("memopt-profile", building=True, config=cfg):
         result = profile(cfg)
     print(f"memopt-profile: model={cfg.model.backbone} batch={cfg.data.batch_size}\n{result.table()}", flush=True)
     if cfg.profile.png:

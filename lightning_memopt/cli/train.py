@@ -17,7 +17,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_memopt.arguments import check_bool, check_float, check_int, check_output_file
 from lightning_memopt.cli.config import config_dir, instantiate_named, route_lightning_logs
@@ -171,12 +171,32 @@ def build_run(cfg: DictConfig) -> Run:
     summary = TrainingSummary(csv_path=results_csv, label=" ".join(overrides), print_summary=True)
     callbacks = instantiate_named(cfg.get("callbacks"), "callbacks")
     callbacks += instantiate_named(cfg.memopt.get("callbacks"), "memopt.callbacks")
+    callbacks += planned_knobs(cfg.get("knobs"), callbacks)
     callbacks += compile_callbacks(check_bool("compile", cfg.get("compile", False)), callbacks)
     plan_ahead(callbacks, model, datamodule, cfg.trainer)  # memopt=auto: MemoryBudget plans before the Trainer exists
     loggers = instantiate_named(cfg.get("logger"), "logger")
     trainer = instantiate(cfg.trainer, callbacks=[*callbacks, summary], logger=loggers or False)
     check_launch_fits_hydra_mode(trainer)
     return Run(trainer, model, datamodule, ckpt_path, summary, objective)
+
+
+def planned_knobs(knobs: object, callbacks: list) -> list:
+    """What ``knobs={…}`` (a plan's knobs, as ``memopt-plan`` prints them) adds: the MemoryBudget that applies them.
+
+    Raises:
+        ValueError: a MemoryBudget of the ``memopt`` bundle is there too (it plans or applies knobs of its own).
+    """
+    from lightning_memopt.callbacks import MemoryBudget
+
+    if knobs is None:
+        return []
+    if any(isinstance(callback, MemoryBudget) for callback in callbacks):
+        raise ValueError(
+            "`knobs` apply a plan, and the `memopt` bundle has a MemoryBudget of its own: give `knobs` with "
+            "memopt=none (or monitor, adaptive, …), or drop `knobs`"
+        )
+    values = OmegaConf.to_container(knobs) if isinstance(knobs, DictConfig) else knobs
+    return [MemoryBudget(knobs=values)]
 
 
 def compile_callbacks(compile_model: bool, callbacks: list) -> list:
@@ -261,9 +281,9 @@ def _train_app(cfg: DictConfig) -> float | None:
     """Hydra task: fit ``cfg``; returns the value of ``objective`` (what Hydra sweepers optimise)."""
     task_started()
     route_lightning_logs()
-    with input_errors("memopt-train", building=True):
+    with input_errors("memopt-train", building=True, config=cfg):
         run = build_run(cfg)
-    with input_errors("memopt-train"):
+    with input_errors("memopt-train", config=cfg):
         try:
             summary = fit(run)
             value = job_result(run)

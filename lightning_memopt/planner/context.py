@@ -8,9 +8,11 @@ candidates weighed, the groups skipped or refused, and the profiles run.
 from __future__ import annotations
 
 import math
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TextIO
 
 from torch import nn
 
@@ -53,7 +55,7 @@ class SearchContext:
     blocks: list[str]  # the blocks checkpointing chooses for
     lean: dict[str, LeanRecompute]  # those with a lean recomputation of their own, and its cost
     trainable_bytes: int
-    progress: Any
+    progress: ProfileProgress | None
     profiles: int = 0
     candidates: list[Candidate] = field(default_factory=list)
     skipped: list[tuple[Knobs, float]] = field(default_factory=list)
@@ -145,3 +147,56 @@ class SearchContext:
             self.candidate(replace(knobs, shards=layout.shards, cpu_offload=layout.cpu_offload), estimate, how)
             for layout in self.layouts
         ]
+
+
+class ProfileProgress:
+    """How a plan's profiling shows its progress: tqdm's bar on a terminal; elsewhere (a cluster's log file) a line
+    at most every ``every`` seconds and one at the end, not one per profile.
+
+    Example::
+
+        >>> import io
+        >>> out = io.StringIO()
+        >>> progress = ProfileProgress(out)
+        >>> for knobs in ("32-true", "bf16-mixed"):
+        ...     progress.set_postfix_str(knobs)
+        ...     progress.update(1)
+        >>> progress.close()
+        >>> out.getvalue().startswith("memopt-plan: profiled 2 candidates in ")
+        True
+    """
+
+    LABEL = "memopt-plan: profiling candidates"
+
+    def __init__(self, stream: TextIO | None = None, every: float = 30.0) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        self.every = every
+        self.bar = None
+        if self.stream.isatty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(desc=self.LABEL, unit="profile", total=None, leave=False, file=self.stream)
+        self.count = 0
+        self.started = self.shown = time.monotonic()
+        self.current = ""
+
+    def set_postfix_str(self, text: str) -> None:
+        self.current = text
+        if self.bar is not None:
+            self.bar.set_postfix_str(text)
+
+    def update(self, count: int) -> None:
+        self.count += count
+        if self.bar is not None:
+            self.bar.update(count)
+        elif time.monotonic() - self.shown >= self.every:
+            self.shown = time.monotonic()
+            elapsed = self.shown - self.started
+            print(f"{self.LABEL}: {self.count} in {elapsed:.0f} s (now {self.current})", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            elapsed = time.monotonic() - self.started
+            print(f"memopt-plan: profiled {self.count} candidates in {elapsed:.1f} s", file=self.stream, flush=True)

@@ -12,7 +12,7 @@ from lightning_memopt.planner.estimate import StepEstimate
 from lightning_memopt.planner.hardware import Hardware
 from lightning_memopt.planner.knobs import Knobs
 from lightning_memopt.planner.options import MeasuredOption
-from lightning_memopt.vocabulary import GIB, MIB
+from lightning_memopt.vocabulary import GIB, MIB, aligned_table
 
 _SHOWN = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
 FRONT_ROWS = 10  # the short report's most candidate rows
@@ -69,61 +69,67 @@ class Plan:
     def fits(self) -> bool:
         return self.chosen is not None
 
-    def table(self, verbose: bool = False) -> str:
-        """The report: the device and budget, the chosen plan with its breakdown, the Pareto front of step time and
-        peak (at most :data:`FRONT_ROWS` rows, one per label, the faster ones that lost saying by how much they do
-        not fit), the notes and the result-changing options; ``verbose``: every candidate weighed instead of the
-        front."""
+    def table(self, verbose: bool = False, command: str | None = None, verbose_switch: str = "verbose=True") -> str:
+        """The report, the answer first: the device and budget, the chosen plan (and ``command``, the command line
+        that runs it), then the candidates as an aligned table: the Pareto front of step time and peak (at most
+        :data:`FRONT_ROWS` rows, one per label, the faster ones that lost saying by how much they do not fit), the
+        notes and the result-changing options that save memory; ``verbose``: every candidate weighed instead of the
+        front (``verbose_switch``: how the caller's user asks for that)."""
         unit, scale = ("GiB", GIB) if self.hardware.memory_bytes >= GIB else ("MiB", MIB)
-        on_host = any(candidate.host_bytes for candidate in self.candidates)
-        header = f"{'':2}{'candidate':<44}{'peak ' + unit:>9}" + "".join(f"{_short(k):>8}" for k in _SHOWN)
-        header += f"{'host':>8}" if on_host else ""
-        trials = {measured.knobs: measured for measured in self.measurements}
-        if trials:  # which times were measured and which priced
-            header += f"{'priced s':>10}{'measured s':>12}{'measured ' + unit:>14}  {'trial':<16}"
-        else:
-            header += f"{'step s':>10}  "
-        header += f"{'fits':<5}{'how'}"
         lines = [
             f"device {self.hardware.name}: {self.hardware.memory_bytes / scale:.2f} {unit}, plan within "
             f"{self.limit_bytes / scale:.2f} {unit} (safety margin {self.safety_margin:.0%}); "
             f"{len(self.candidates)} candidates from {self.profiles} fake-mode profiles",
-            header,
+            *self._chosen_lines(scale, unit),
         ]
+        if command is not None and self.chosen is not None:
+            lines += ["run it with:", f"  {command}"]
         shown = self.candidates if verbose else self.front()
-        shown = [*shown, *(c for c in self.candidates if c.knobs in trials and c not in shown)]
-        for candidate in sorted(shown, key=lambda c: (c.cost.total, c.peak_bytes)):
-            lines.append(self._row(candidate, scale, on_host, verbose, trials))
-        if verbose:
-            for knobs, bound in self.skipped:
-                bound_text = f"not profiled: cannot beat the choice (≥ {bound:.4f} s)"
-                lines.append(f"  {knobs.describe():<44}{'—':>9}  {bound_text}")
-        elif self.skipped:
-            lines.append(f"  {len(self.skipped)} more not profiled: their least step time cannot beat the choice")
-        for knobs, reason in self.rejected:
-            lines.append(f"  {knobs.describe():<44}{'—':>9}  left out: {reason}")
+        tried = {measured.knobs for measured in self.measurements}
+        shown = [*shown, *(c for c in self.candidates if c.knobs in tried and not any(c is s for s in shown))]
+        shown = sorted(shown, key=lambda c: (c.cost.total, c.peak_bytes))
+        lines += ["", *self._candidate_table(shown, unit, scale, verbose)]
+        if not verbose and self.skipped:
+            lines.append(f"{len(self.skipped)} more not profiled: their least step time cannot beat the choice")
         lines += self.notes
-        if on_host:
+        if any(candidate.host_bytes for candidate in self.candidates):
             lines.append(
                 f"host: host memory ({unit}) at its peak: offloaded activations; with CPU offload the parameter "
                 "shards, gradients and optimizer state"
             )
-        lines += self._chosen_lines(scale, unit)
-        if self.options:
-            first = self.options[0]
+        saving = [measured for measured in self.options if measured.saving_bytes > 0]
+        if saving:
             lines.append(
-                f"options that change the result (each measured against {first.against}: peak "
-                f"{first.reference_bytes / scale:.2f} {unit}):"
+                f"options that change the result (each measured against {saving[0].against}: peak "
+                f"{saving[0].reference_bytes / scale:.2f} {unit}):"
             )
-            for measured in self.options:
+            for measured in saving:
                 option = measured.option
                 lines.append(
                     f"  - {option.name}: peak {measured.peak_bytes / scale:.2f} {unit}, saves "
                     f"{measured.saving_bytes / scale:.2f} {unit}; {option.caveat}  [{' '.join(option.overrides)}]"
                 )
         if not verbose and len(shown) < len(self.candidates):
-            lines.append(f"({len(self.candidates) - len(shown)} more candidates: plan.verbose=true lists every one)")
+            lines.append(f"({len(self.candidates) - len(shown)} more candidates: {verbose_switch} lists every one)")
         return "\n".join(lines)
+
+    def _candidate_table(self, shown: list[Candidate], unit: str, scale: int, verbose: bool) -> list[str]:
+        """The candidates' rows under full column names, aligned; with ``verbose`` also those not profiled and
+        those the model refuses."""
+        on_host = any(candidate.host_bytes for candidate in self.candidates)
+        trials = {measured.knobs: measured for measured in self.measurements}
+        header = ["", "candidate", f"peak {unit}", *(name.replace("_", " ") for name in _SHOWN)]
+        header += ["host"] if on_host else []
+        header += ["priced s", "measured s", f"measured {unit}", "trial"] if trials else ["step s"]
+        header += ["fits", "how"]
+        body = [self._row(candidate, scale, on_host, verbose, trials) for candidate in shown]
+        blank = ["—"] * (len(header) - 4)
+        for knobs, bound in self.skipped if verbose else ():
+            body.append(["", knobs.describe(), *blank, "", f"not profiled: cannot beat the choice (≥ {bound:.4f} s)"])
+        for knobs, reason in self.rejected:
+            body.append(["", knobs.describe(), *blank, "", f"left out: {reason}"])
+        text_columns = {0, 1, len(header) - 2, len(header) - 1} | ({len(header) - 3} if trials else set())
+        return aligned_table(header, body, left=frozenset(text_columns))
 
     def front(self) -> list[Candidate]:
         """The Pareto front of step time and peak, one candidate per label (the fastest), at most
@@ -149,25 +155,25 @@ class Plan:
         faster = front[max(0, at - FRONT_ROWS // 2) : at]
         return [*faster, *front[at : at + FRONT_ROWS - len(faster)]]
 
-    def _row(self, candidate: Candidate, scale: int, on_host: bool, verbose: bool, trials: dict[Any, Any]) -> str:
-        mark = "→" if candidate is self.chosen else ""
-        breakdown = "".join(f"{candidate.breakdown.get(k, 0) / scale:>8.2f}" for k in _SHOWN)
-        breakdown += f"{candidate.host_bytes / scale:>8.2f}" if on_host else ""
+    def _row(self, candidate: Candidate, scale: int, on_host: bool, verbose: bool, trials: dict[Any, Any]) -> list[str]:
+        cells = [
+            "→" if candidate is self.chosen else "",
+            candidate.knobs.describe(),
+            f"{candidate.peak_bytes / scale:.2f}",
+        ]
+        cells += [f"{candidate.breakdown.get(k, 0) / scale:.2f}" for k in _SHOWN]
+        cells += [f"{candidate.host_bytes / scale:.2f}"] if on_host else []
+        cells.append(f"{candidate.cost.total:.4f}")
         how = candidate.how
         if candidate.estimated_bytes is not None:
             how += f" (estimated {candidate.estimated_bytes / scale:.2f})"
         if not candidate.fits and not verbose:
             how += f"; over the budget by {(candidate.peak_bytes - self.limit_bytes) / scale:.2f}"
-        timing = f"{candidate.cost.total:>10.4f}"
         if trials:
-            trial, measured, note = _trial_columns(trials.get(candidate.knobs), scale)
-            timing += f"{measured}  {trial:<14}"
-            how += f"; {note}" if note else ""
-        timing += "  "
-        return (
-            f"{mark:<2}{candidate.knobs.describe():<44}{candidate.peak_bytes / scale:>9.2f}{breakdown}"
-            f"{timing}{'yes' if candidate.fits else 'no':<5}{how}"
-        )
+            cells += _trial_columns(trials.get(candidate.knobs), scale)
+            how += "" if not cells[-1] else f"; {cells[-1]}"
+            cells.pop()
+        return [*cells, "yes" if candidate.fits else "no", how]
 
     def _chosen_lines(self, scale: int, unit: str) -> list[str]:
         if self.chosen is None:
@@ -242,15 +248,15 @@ class Plan:
         }
 
 
-def _trial_columns(measured: Any, scale: int) -> tuple[str, str, str]:
-    """A candidate's trial outcome (``"—"``: not one of those to try), its measured step seconds and peak (aligned),
-    and a note: why it was not tried, or that an earlier run's trial is recalled."""
+def _trial_columns(measured: Any, scale: int) -> list[str]:
+    """A candidate's measured step seconds and peak, its trial outcome (``"—"``: not one of those to try), and a
+    note: why it was not tried, or that an earlier run's trial is recalled."""
     if measured is None:
-        return "—", f"{'—':>12}{'—':>14}", ""
+        return ["—", "—", "—", ""]
     seconds = "—" if measured.measured_seconds is None else f"{measured.measured_seconds:.4f}"
     peak = "—" if measured.measured_peak_bytes is None else f"{measured.measured_peak_bytes / scale:.2f}"
     trial, _, why = measured.outcome.partition(": ")
-    return trial, f"{seconds:>12}{peak:>14}", "remembered from an earlier run" if measured.remembered else why
+    return [seconds, peak, trial, "remembered from an earlier run" if measured.remembered else why]
 
 
 def _cost_parts(candidate: Candidate) -> str:
@@ -265,9 +271,3 @@ def _cost_parts(candidate: Candidate) -> str:
     ]
     shown = [f"{name} {seconds:.4f} s" for name, seconds in parts if seconds > 0]
     return f" ({', '.join(shown)})" if shown else ""
-
-
-def _short(category: str) -> str:
-    return {"optimizer_state": "optim", "activations": "activ", "temporaries": "temps", "parameters": "params"}.get(
-        category, category[:6]
-    )

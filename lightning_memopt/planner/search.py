@@ -25,7 +25,7 @@ from lightning_memopt.checkpointing import Policy, check_blocks
 from lightning_memopt.memory.profile import LossFn, OptimizerSource
 from lightning_memopt.models.structure import model_structure
 from lightning_memopt.planner.checkpoint_budget import lean_blocks
-from lightning_memopt.planner.context import ROUND_TO, SearchContext
+from lightning_memopt.planner.context import ROUND_TO, ProfileProgress, SearchContext
 from lightning_memopt.planner.groups import measure_chosen_options, search_groups
 from lightning_memopt.planner.hardware import Hardware
 from lightning_memopt.planner.options import ResultChangingOption
@@ -195,7 +195,7 @@ def plan(
                 raise PlanError(f"fsdp_memopt cannot shard the model: {error}") from None
             notes.append(f"FSDP sharding and CPU offload not considered: {error}")
     limit = int(hardware.memory_bytes * (1 - safety_margin))
-    progress_bar = _progress_bar() if progress else None
+    progress_bar = ProfileProgress() if progress else None
     search = SearchContext(
         factory,
         batch,
@@ -247,9 +247,3 @@ def _blocks_note(blocks: Any, structure: Any, found: list[tuple[str, nn.Module]]
             "pass `blocks` (module classes, dotted paths or name globs)"
         )
     return f"checkpointing acts on {structure.describe_blocks()}"
-
-
-def _progress_bar() -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(desc="memopt-plan: profiling candidates", unit="profile", total=None, leave=False)

@@ -84,7 +84,7 @@ def test_graphs_still_compile_with_the_monitor_and_the_summary_on():
     summary_warnings = [m for m in messages if m.startswith("TrainingSummary: not counting")]
     assert len(summary_warnings) == 1 and "backbone (torch.compile'd module)" in summary_warnings[0]
     assert summary.summary.peak_memory_source.endswith("(MemoryTracker skipped: compiled model)")
-    assert summary.summary.peak_memory_bytes > 10 * 2**20  # the process's peak RSS
+    assert summary.summary.peak_rss_bytes > 10 * 2**20 and summary.summary.peak_memory_bytes is None
     assert summary.summary.timed_samples == summary.summary.samples == 24  # no batch was slowed by tracking
 
 

@@ -36,7 +36,12 @@ FAMILIES = {  # a tiny preset of each family, with what draws random numbers: dr
         ),
     ),
 }  # fmt: skip
-TIMED = ("seconds", "per_second", "summary/peak_memory_bytes")  # wall time, and the process's RSS off CUDA
+TIMED = (
+    "seconds",
+    "per_second",
+    "summary/peak_memory_bytes",
+    "summary/peak_rss_bytes",
+)  # wall time, and the process's RSS off CUDA
 
 
 class _RecordingLogger(Logger):

@@ -1,18 +1,19 @@
 import json
 import re
+import shlex
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_memopt import ActivationCheckpointing, AdaptiveAccumulation, MemoryBudget, PrecisionSwitch
 from lightning_memopt.cache import CACHE_VARIABLE
 from lightning_memopt.callbacks import memory_budget
 from lightning_memopt.cli.config import config_dir
+from lightning_memopt.cli.train import planned_knobs
 from lightning_memopt.memory import SimulatedDevice
 from lightning_memopt.planner import Knobs
 from lightning_memopt.planner.command import train_command
@@ -131,18 +132,23 @@ def test_knobs_from_a_config_are_read_in_their_types():
 def test_the_printed_command_composes_to_the_same_knobs():
     knobs = Knobs("bf16-mixed", "sdpa", "full", every_n=2, micro_batch_size=8)
     command = train_command(["model=sapiens_2b", "gpu=a800_80gb", "plan.png=x.png"], knobs)
-    overrides = command.split()[1:]
-    assert "gpu=a800_80gb" not in overrides and "plan.png=x.png" not in overrides
+    overrides = shlex.split(command)[1:]  # as the shell passes them
+    assert overrides == [
+        "model=sapiens_2b",
+        "knobs={precision:bf16-mixed,attn_impl:sdpa,checkpoint:full,every_n:2,micro_batch_size:8}",
+    ]
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-    (callback,) = [instantiate(c) for c in cfg.memopt.callbacks.values()]
+    (callback,) = planned_knobs(cfg.knobs, [])
     assert isinstance(callback, MemoryBudget) and callback.knobs == knobs
+    with pytest.raises(ValueError, match="`knobs` apply a plan, and the `memopt` bundle has a MemoryBudget"):
+        planned_knobs(cfg.knobs, [callback])
 
 
 def test_a_sharded_or_offloaded_plan_prints_the_fsdp_memopt_command_with_the_same_knobs():
     knobs = Knobs("bf16-mixed", checkpoint="full", shards=4, cpu_offload=True)
     command = train_command(["model=sapiens_2b", "strategy=ddp", "trainer.devices=8"], knobs)
-    overrides = command.split()[1:]
+    overrides = shlex.split(command)[1:]
     assert overrides[:5] == [
         "model=sapiens_2b",
         "strategy=fsdp_memopt",
@@ -153,7 +159,7 @@ def test_a_sharded_or_offloaded_plan_prints_the_fsdp_memopt_command_with_the_sam
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     assert cfg.trainer.strategy.cpu_offload is True and cfg.trainer.devices == 4
-    (callback,) = [instantiate(c) for c in cfg.memopt.callbacks.values()]
+    (callback,) = planned_knobs(cfg.knobs, [])
     assert isinstance(callback, MemoryBudget) and callback.knobs == knobs
 
 

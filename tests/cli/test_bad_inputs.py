@@ -71,7 +71,8 @@ def test_a_bad_input_in_a_subprocess_prints_one_line_on_stderr(tmp_path):
     result = run_memopt_train(["model=iresnet_tiny", "data.batch_size=abc", "logger=none"], cwd=tmp_path)
     assert result.returncode == 2
     assert (
-        result.stderr.strip().splitlines()[-1] == "memopt-train: `batch_size` must be an integer ≥ 1, got 'abc' (str)"
+        result.stderr.strip().splitlines()[-1]
+        == "memopt-train: `data.batch_size` must be an integer ≥ 1, got 'abc' (str)"
     )
     assert "Traceback" not in result.stderr + result.stdout
 

@@ -9,6 +9,7 @@ from lightning_memopt import MemoryBudget
 from lightning_memopt.callbacks import memory_budget
 from lightning_memopt.cli.plan_ahead import run_target
 from lightning_memopt.cli.train import build_run, fit
+from lightning_memopt.planner import Knobs
 from tests.helpers import TINY_FACE, TINY_NORMALS, run_memopt_train
 
 _BUDGET = "memopt.callbacks.memory_budget.budget"
@@ -42,6 +43,15 @@ def test_given_knobs_are_not_planned(compose_train):
     run = build_run(compose_train(*NORMALS, "memopt=planned"))
     (budget,) = [c for c in run.trainer.callbacks if isinstance(c, MemoryBudget)]
     assert budget.plan is None and budget.knobs is not None
+
+
+def test_the_one_knobs_override_memopt_plan_prints_trains_with_those_knobs(compose_train):
+    run = build_run(compose_train(*NORMALS, "knobs={precision:32-true,checkpoint:full,micro_batch_size:1}"))
+    (budget,) = [c for c in run.trainer.callbacks if isinstance(c, MemoryBudget)]
+    assert budget.plan is None and budget.knobs == Knobs("32-true", checkpoint="full", micro_batch_size=1)
+    assert fit(run).steps == 2
+    with pytest.raises(ValueError, match="`knobs` apply a plan, and the `memopt` bundle has a MemoryBudget"):
+        build_run(compose_train(*NORMALS, "memopt=auto", "knobs={precision:32-true}"))
 
 
 @pytest.mark.parametrize(

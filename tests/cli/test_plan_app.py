@@ -18,13 +18,18 @@ def test_memopt_plan_prints_the_candidates_the_choice_and_its_command_and_writes
     result = _memopt_plan([*TINY_PLAN, "budget=0.02", "plan.png=plan.png"], tmp_path)  # (A100 cuBLAS: 16 MiB)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert "candidate" in out and "peak MiB" in out and "chosen: " in out
-    command = out.split("run it with:\n")[1].strip()
+    answer, table = out.split("\n\n", 1)  # the answer first: the choice and its command, then the table
+    assert answer.splitlines()[1].startswith("chosen: ") and "candidate" in table and "peak MiB" in table
+    command = answer.split("run it with:\n")[1].strip()
     assert command.startswith("memopt-train model=sapiens_tiny data.image_size=[64,48] data.batch_size=2 ")
-    assert "data=synthetic_normals" in command and f"memopt=planned {_KNOB}precision=" in command
-    assert "budget=" not in command
+    assert "data=synthetic_normals" in command and command.split()[-1].startswith("'knobs={precision:")
+    assert "budget=" not in command.replace("compile_budget", "") and len(command) < 250
+    header = table.splitlines()[0].split()
+    assert "gradients" in header and "optimizer" in header and "activations" in header  # full column names
     assert "backbone sapiens_tiny" not in out  # the tiny preset has no smaller sibling
-    assert "patch_size 16 → 32" in out  # the result-changing options, measured
+    assert "patch_size 16 → 32" not in out  # measured, and it saves nothing at this size: not listed
+    progress = [line for line in result.stderr.splitlines() if line.startswith("memopt-plan: profil")]
+    assert len(progress) == 1, result.stderr  # no terminal: the progress in a few lines, not one per profile
     assert (tmp_path / "plan.png").stat().st_size > 1000
 
 
@@ -36,7 +41,7 @@ def test_memopt_plan_measures_on_the_machine_it_runs_on_when_asked(tmp_path):
     out = result.stdout
     assert "measured on cpu: tried 2 of 2 candidates on the device" in out
     chosen = out.split("chosen by measurement: ")[1].split("\n")[0].split(" (the price")[0].split(", as the price")[0]
-    assert f"precision={chosen.split(',')[0]}" in out.split("run it with:\n")[1]
+    assert f"knobs={{precision:{chosen.split(',')[0]}" in out.split("run it with:\n")[1]
 
 
 @pytest.mark.parametrize(
@@ -92,5 +97,5 @@ def test_the_pareto_script_reads_the_sweep(tmp_path):
 def test_memopt_plan_with_blocks_that_match_nothing_exits_with_its_reason(tmp_path):
     result = _memopt_plan([*TINY_PLAN, "plan.blocks=[decoder.*]", "plan.options=false"], tmp_path)
     assert result.returncode == 2
-    assert "memopt-plan: `blocks`=['decoder.*'] match no module of the model" in result.stderr
+    assert "memopt-plan: `plan.blocks`=['decoder.*'] match no module of the model" in result.stderr
     assert "Traceback" not in result.stderr

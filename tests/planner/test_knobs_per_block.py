@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -28,9 +30,9 @@ def test_per_block_knobs_describe_apply_and_round_trip_as_hydra_lists():
     assert report.modules == dict(PAIRS)
     assert checkpoint_mode(model.backbone.blocks[1]) is None
     command = train_command(["model=sapiens_tiny"], knobs)
-    override = next(part for part in command.split() if "checkpoint_blocks" in part)
-    parsed = OverridesParser.create().parse_override(override.replace("'", ""))  # the shell removes the quotes
-    assert Knobs(checkpoint="per_block", checkpoint_blocks=parsed.value()).checkpoint_blocks == PAIRS
+    override = shlex.split(command)[-1]  # as the shell passes it
+    parsed = OverridesParser.create().parse_override(override)
+    assert Knobs.from_mapping(parsed.value()) == knobs
 
 
 def test_one_mode_on_every_block_is_that_mode():

@@ -38,7 +38,7 @@ def test_the_short_report_is_the_front_around_the_choice_with_one_row_per_label(
         if candidate.cost.total < result.chosen.cost.total:
             assert not candidate.fits
     short, verbose = result.table(), result.table(verbose=True)
-    assert "over the budget by" in short and "plan.verbose=true lists every one" in short
+    assert "over the budget by" in short and "verbose=True lists every one" in short
     assert len(short.splitlines()) < len(verbose.splitlines()) <= len(result.candidates) + len(result.skipped) + 12
     assert all(candidate.knobs.describe() in verbose for candidate in result.candidates)
 
@@ -52,3 +52,9 @@ def test_options_say_what_they_were_measured_against():
     assert measured.against == result.chosen.knobs.describe()
     assert measured.saving_bytes == measured.reference_bytes - measured.peak_bytes > 0
     assert f"(each measured against {measured.against}: peak" in result.table()
+
+
+def test_an_option_that_saves_nothing_is_not_listed():
+    same = ResultChangingOption("depth 6 → 6", "the same model", ("model.depth=6",), model=lambda: _build(6))
+    result = _plan(options=[same])
+    assert result.options[0].saving_bytes <= 0 and "depth 6 → 6" not in result.table()

@@ -211,10 +211,11 @@ def test_the_plan_table_shows_each_trial_beside_its_price_and_says_which_times_w
         replace(found[1], remembered=True, measured_seconds=0.5, outcome=MEASURED),
         found[2],
     ]
-    table = measured.table()
-    header = table.splitlines()[1]
+    lines = measured.table().split("\n\n", 1)[1].splitlines()  # the table, after the answer
+    header = lines[0]
     assert "priced s" in header and "measured s" in header and "measured MiB" in header and "trial" in header
-    rows = {line[2:46].strip(): line for line in table.splitlines()[2:] if line[2:46].strip()}
+    start, end = header.index("candidate"), header.index("peak")  # the candidate column
+    rows = {line[start:end].strip(): line for line in lines[1:] if line[start:end].strip()}
     first, remembered, untried = (rows[c.knobs.describe()] for c in candidates)
     assert f"{found[0].measured_seconds:.4f}" in first and f"{found[0].measured_peak_bytes / 2**20:.2f}" in first
     assert " measured " in first and "0.5000" in remembered and "remembered from an earlier run" in remembered
