@@ -57,11 +57,11 @@ class MemoryBudget(CallbackGroup):
 
     In ``setup`` it profiles one step in fake mode, plans with :func:`~lightning_memopt.plan` and applies the knobs
     through callbacks it owns (``applied``); ``plan`` holds the result. Limitations: a resume with other knobs is
-    refused; under DDP and FSDP the plan is priced, not compiled (docs/guide/planning.md#memorybudget-in-detail).
+    refused; ``compile`` only on one device, ``measure`` not under FSDP (docs/guide/planning.md#memorybudget-in-detail).
 
     Args:
         budget: GiB to plan for; default the device's memory (off CUDA: the host memory available now).
-        gpu: a catalogue name (:data:`~lightning_memopt.planner.GPUS`) whose rates (and memory) to plan for.
+        gpu: a catalogue name (:data:`~lightning_memopt.planner.GPUS`) to plan for; default the live device.
         safety_margin: the fraction of memory kept free, in [0, 1).
         knobs: apply these :class:`~lightning_memopt.planner.Knobs` fields, as ``memopt-plan`` prints them, unplanned.
         sample_batch: the batch to plan with; default the first batch of the datamodule's train loader.
