@@ -1,7 +1,7 @@
 """MemoryBudget: plan for the live model and device (at fit start, or ahead), apply it through callbacks it owns.
 
-Over 300 lines because the callback's docstring is its user reference (every argument, the strategies, the
-measured plans), and planning, agreeing on the plan across ranks and applying it are the steps of one hook.
+Over 300 lines because planning, agreeing on the plan across ranks and applying it are the steps of one hook
+(the reference for each argument is docs/guide/planning.md).
 """
 
 from __future__ import annotations
@@ -55,67 +55,26 @@ _APPLIED_BY = (PrecisionSwitch, ActivationCheckpointing, AdaptiveAccumulation, C
 class MemoryBudget(CallbackGroup):
     """Pick the fastest configuration that fits the device at fit start, and apply it.
 
-    In ``setup`` it profiles one step of the LightningModule on a batch of its training data in
-    fake mode (nothing runs on the device), picks the knobs with :func:`~lightning_memopt.plan`
-    and applies them: the precision through :class:`PrecisionSwitch`, activation checkpointing
-    through :class:`ActivationCheckpointing` (on the model's declared, else discovered, blocks, or
-    on ``blocks``), micro-batches through :class:`AdaptiveAccumulation`
-    (added in every case: it stays on as the run-time safety net against an OOM), the attention
-    kernel by switching the model's attention modules. It owns those callbacks (``applied``) and
-    runs their hooks within its own, their ``setup`` right after planning; their states are saved in
-    its checkpoint entry. Under DDP and FSDP rank 0 plans and every rank applies its plan. The knobs
-    are saved in checkpoints; resuming with other knobs is refused (pass the saved ones as ``knobs``).
-    ``plan`` holds the result; the table is logged at INFO on rank 0. :meth:`plan_ahead` plans
-    before the Trainer exists (as ``memopt-train`` does), from the model and a batch at hand.
-
-    Under ``fsdp_memopt`` (:class:`~lightning_memopt.strategies.MemoptFSDPStrategy`) it plans for
-    the strategy's sharding over all ranks, with or without CPU offload (with it only, if the
-    strategy was given ``cpu_offload=True``), and sets the strategy's ``cpu_offload`` before the
-    strategy shards the model. A mixed precision applied by PrecisionSwitch has the units gathered
-    as stored (fp32); a Trainer that runs the plan's precision itself (``precision="bf16-mixed"``,
-    as the commands of ``memopt-plan`` set) gathers them in it, and is planned for that precision
-    only. Under single-device and DDP strategies, when only a sharded or offloaded plan fits, it
-    stops with the ``fsdp_memopt`` command to run instead.
+    In ``setup`` it profiles one step in fake mode, plans with :func:`~lightning_memopt.plan` and applies the knobs
+    through callbacks it owns (``applied``); ``plan`` holds the result. Limitations: a resume with other knobs is
+    refused; ``compile`` only on one device, ``measure`` not under FSDP (docs/guide/planning.md#memorybudget-in-detail).
 
     Args:
-        budget: GiB to plan for; default the device's memory (off CUDA: the host memory available
-            now; give a budget to plan for a :class:`~lightning_memopt.memory.SimulatedDevice`).
-        gpu: a catalogue name (:data:`~lightning_memopt.planner.GPUS`, e.g. ``"a100_80gb"``) whose rates (and
-            memory, unless ``budget``) to plan for; default the live device.
+        budget: GiB to plan for; default the device's memory (off CUDA: the host memory available now).
+        gpu: a catalogue name (:data:`~lightning_memopt.planner.GPUS`) to plan for; default the live device.
         safety_margin: the fraction of memory kept free, in [0, 1).
-        knobs: apply these knobs (a mapping of :class:`~lightning_memopt.planner.Knobs` fields, as
-            ``memopt-plan`` prints them: ``precision``, ``attn_impl``, ``checkpoint``, ``every_n``,
-            ``micro_batch_size``, ``shards``, ``cpu_offload``) without planning.
-        sample_batch: the batch to plan with, in the form the module's ``training_step`` takes; default
-            the first batch of the datamodule's train loader.
+        knobs: apply these :class:`~lightning_memopt.planner.Knobs` fields, as ``memopt-plan`` prints them, unplanned.
+        sample_batch: the batch to plan with; default the first batch of the datamodule's train loader.
         verify: the most candidates per group profiled to confirm an estimate.
-        blocks: the modules checkpointing acts on: ``"auto"`` (declared, else discovered; ``"preset"``
-            is the same), or module classes, dotted paths and name globs where discovery picks the wrong ones.
+        blocks: the modules checkpointing acts on: ``"auto"``, or module classes, dotted paths and name globs.
         verbose: log every candidate weighed, not only the short report (the Pareto front, at most 10 rows).
-        measure: time the candidates predicted to fit on the device the run trains on and choose the fastest
-            measured whose measured peak fits (:mod:`~lightning_memopt.planner.trials`): ``"auto"`` (default) on
-            an accelerator, not on the CPU; ``True`` on any device; ``False`` never (the catalogue's price decides);
-            ``"refresh"``: on any device, measuring again what earlier runs of the same model, batch and device
-            measured (:mod:`~lightning_memopt.planner.remembered`; otherwise they are reused). Under DDP every rank runs
-            the same trials (an OOM on any rank counts on all, the slowest rank's time counts); under
-            ``fsdp_memopt`` the priced plan is applied (a trial cannot shard).
+        measure: time the candidates on the device: ``"auto"`` (on an accelerator), ``True``, ``False``, ``"refresh"``.
         measure_candidates: the most candidates measured.
         measure_steps: the timed steps per candidate (after two that measure its peak); the fastest counts.
-        measure_seconds: the most seconds spent measuring: a trial expected to end past them (from the trials so
-            far) is not started, and is reported untried.
-        compile: weigh running the model ``torch.compile``d against the plan's eager choice: at the largest
-            ``activation_memory_budget`` predicted to fit (:mod:`~lightning_memopt.planner.compiled_plan`), both
-            tried on the device, compiling counted against the run's steps; the faster run is applied (a compiled
-            one through :class:`CompiledStep`). On one device only; under DDP and FSDP the eager plan is applied.
+        measure_seconds: the most seconds spent measuring; a trial expected to end past them is not started.
+        compile: weigh running the model ``torch.compile``d against the eager plan, both tried on the device.
 
-    Raises:
-        MisconfigurationException: bad arguments (in ``__init__``); in ``setup``: a strategy other
-            than single-device, DDP or ``fsdp_memopt``, a callback that would apply the knobs twice,
-            knobs whose ``shards`` / ``cpu_offload`` the strategy cannot run (with the command that
-            can), or no configuration that fits (with the candidates table).
-
-    Example::
-
+    Example:
         >>> MemoryBudget(knobs={"precision": "bf16-mixed", "checkpoint": "full", "every_n": 2}).knobs.describe()
         'bf16-mixed, full every 2'
     """

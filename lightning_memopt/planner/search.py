@@ -7,13 +7,17 @@ candidate's estimate (:mod:`~lightning_memopt.planner.estimate`); the cheapest e
 could fit are then profiled with their checkpointing applied, until one fits
 (:mod:`~lightning_memopt.planner.groups`). Each of them is also a candidate sharded with FSDP over
 each shard degree considered and with CPU offload, one rank's memory and traffic predicted from the
-unsharded step (:mod:`~lightning_memopt.planner.sharding`). This module checks the arguments and
-lays out the search (:mod:`~lightning_memopt.planner.space`, :mod:`~lightning_memopt.planner.context`).
+unsharded step (:mod:`~lightning_memopt.planner.sharding`). This module checks the arguments
+(``_checked_arguments``) and lays out the search (``_search_space``, :mod:`~lightning_memopt.planner.space`,
+:mod:`~lightning_memopt.planner.context`).
+
+Over 300 lines because plan()'s seventeen arguments are checked here, beside the search space they lay out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +34,7 @@ from lightning_memopt.planner.groups import measure_chosen_options, search_group
 from lightning_memopt.planner.hardware import Hardware
 from lightning_memopt.planner.options import ResultChangingOption
 from lightning_memopt.planner.report import Plan, PlanError
-from lightning_memopt.planner.sharding import ShardedModel
+from lightning_memopt.planner.sharding import ShardedModel, Sharding
 from lightning_memopt.planner.space import (
     DEFAULT_SAFETY_MARGIN,
     Group,
@@ -82,33 +86,26 @@ def plan(
         cpu_offload: whether to consider keeping parameters, gradients and optimizer state in host
             memory (``fsdp_memopt`` with ``cpu_offload``), at every shard degree: ``(False, True)``
             both, ``(False,)`` never.
-        gather_as_stored: under a mixed precision ``fsdp_memopt`` gathers the units as stored
-            (fp32; autocast casts the weights): what it does when PrecisionSwitch applies the
-            precision (``MemoryBudget``). Default: in the half precision, as when the Trainer runs it.
+        gather_as_stored: plan ``fsdp_memopt`` gathering the units as stored (fp32), as under ``MemoryBudget``'s
+            PrecisionSwitch; default: in the half precision, as when the Trainer runs a mixed precision.
         precisions: the precisions to consider; default the device's mixed precision and ``32-true``.
         attn_impls: attention kernels to consider; default ``sdpa`` when the model has attention,
             and ``math`` too on a device where fused attention may be slower (the CPU).
         micro_batching: consider micro-batches with accumulation; default unless the model's
-            ``batch_coupled_loss`` is true (then micro-batching would change the loss). A
-            micro-batch the model refuses (a profile of it raises, e.g. batch norm on one sample)
-            is left out with the reason in the table, and so are the smaller ones.
-        blocks: the modules checkpointing acts on: ``"auto"`` (those the model declares, else its
-            repeated blocks, discovered), or module classes, dotted paths and name globs for the
-            rare model where discovery picks the wrong ones.
+            ``batch_coupled_loss`` is true. A micro-batch the model refuses is left out, with its reason.
+        blocks: the modules checkpointing acts on: ``"auto"`` (declared, else discovered), or module classes,
+            dotted paths and name globs for the rare model where discovery picks the wrong ones.
         options: result-changing options to measure against the chosen plan.
-        progress: show a progress bar of the profiles.
+        progress: show the profiles' progress (a bar on a terminal, one line at the end in a log file).
         verify: the most candidates per group profiled to confirm an estimate; when none of them
             fits, as many more (at least one) of those estimated to fit are confirmed.
-        every_kind: search every kind of step (each precision and attention kernel, with and without
-            micro-batches) even where its least price cannot beat the choice: the candidates to measure on the
-            device (:func:`~lightning_memopt.planner.trials.measure_candidates`), where the price may be wrong.
+        every_kind: search every kind of step (precision, attention kernel, micro-batches or not) even where its
+            least price cannot beat the choice: what trials on the device (:mod:`~lightning_memopt.planner.trials`)
+            need.
 
     Raises:
-        PlanError: the budget is smaller than what parameters, gradients and optimizer state need on
-            the device in the most saving layout considered (sharded ``max(shards)`` ways, or with
-            CPU offload the units in flight); the message shows that breakdown, what sharding and
-            offload would need, and the result-changing options; ``blocks`` that match no module;
-            only sharded layouts asked of a model ``fsdp_memopt`` cannot shard.
+        PlanError: the model state alone passes the budget in the most saving layout considered (the message
+            breaks it down); ``blocks`` that match no module; only sharded layouts for a model that cannot shard.
         ValueError: a bad argument.
 
     Example::
@@ -121,6 +118,108 @@ def plan(
         >>> result.chosen.fits, result.chosen.knobs.checkpoint   # 40 MiB (cuBLAS's 16 among them) hold the step
         (True, 'none')
     """
+    checked = _checked_arguments(
+        model,
+        hardware,
+        loss_fn,
+        optimizer,
+        safety_margin=safety_margin,
+        devices=devices,
+        shards=shards,
+        cpu_offload=cpu_offload,
+        gather_as_stored=gather_as_stored,
+        precisions=precisions,
+        attn_impls=attn_impls,
+        micro_batching=micro_batching,
+        blocks=blocks,
+        options=options,
+        progress=progress,
+        verify=verify,
+        every_kind=every_kind,
+    )
+    space = _search_space(model, hardware, blocks, checked)
+    limit = int(hardware.memory_bytes * (1 - checked.safety_margin))
+    progress_bar = ProfileProgress() if checked.progress else None
+    search = SearchContext(
+        space.factory,
+        batch,
+        loss_fn,
+        optimizer,
+        hardware,
+        limit,
+        space.layouts,
+        space.sharded_model,
+        checked.gather_as_stored,
+        blocks,
+        [name for name, _ in space.found],
+        lean_blocks(space.found),
+        space.trainable,
+        progress_bar,
+    )
+    groups = [
+        Group(precision, attn, size)
+        for precision in space.precisions
+        for attn in space.attn_impls
+        for size in (micro_batch_sizes(batch_size(batch)) if space.micro_batching else [None])
+    ]
+    try:
+        best = search_groups(search, groups, checked.verify, options, checked.every_kind)
+        measured = measure_chosen_options(search, best, groups[0], options)
+    finally:
+        if progress_bar is not None:
+            progress_bar.close()
+    return Plan(
+        hardware=hardware,
+        limit_bytes=limit,
+        safety_margin=checked.safety_margin,
+        candidates=search.candidates,
+        skipped=search.skipped,
+        rejected=search.rejected,
+        chosen=best,
+        options=measured,
+        profiles=search.profiles,
+        notes=space.notes,
+    )
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """plan()'s arguments, checked; ``None`` where the model or the hardware decides."""
+
+    safety_margin: float
+    devices: int
+    shards: Sequence[int] | None
+    verify: int
+    gather_as_stored: bool
+    micro_batching: bool | None
+    progress: bool
+    every_kind: bool
+    precisions: list[str] | None
+    attn_impls: list[str | None] | None
+    layouts: list[Sharding]
+
+
+def _checked_arguments(
+    model: Any,
+    hardware: Any,
+    loss_fn: Any,
+    optimizer: Any,
+    *,
+    safety_margin: Any,
+    devices: Any,
+    shards: Any,
+    cpu_offload: Any,
+    gather_as_stored: Any,
+    precisions: Any,
+    attn_impls: Any,
+    micro_batching: Any,
+    blocks: Any,
+    options: Any,
+    progress: Any,
+    verify: Any,
+    every_kind: Any,
+) -> _Checked:
+    """plan()'s arguments checked in order: the ``TypeError`` or ``ValueError`` of the first bad one."""
     safety_margin = check_safety_margin(safety_margin)
     devices = check_int("devices", devices, minimum=1)
     verify = check_int("verify", verify, minimum=0)
@@ -152,6 +251,41 @@ def plan(
             raise TypeError(f"`options` entry {option!r} must be a ResultChangingOption")
     layouts = layouts_for(devices, shards, cpu_offload)
     check_blocks(blocks)
+    return _Checked(
+        safety_margin,
+        devices,
+        shards,
+        verify,
+        gather_as_stored,
+        micro_batching,
+        progress,
+        every_kind,
+        precisions,
+        attn_impls,
+        layouts,
+    )
+
+
+@dataclass(frozen=True)
+class _Space:
+    """What the search tries, from the model (built on the meta device) and the hardware; notes say what not."""
+
+    factory: Callable[[], nn.Module]
+    found: list[tuple[str, nn.Module]]
+    trainable: int
+    layouts: list[Sharding]
+    sharded_model: ShardedModel | None
+    precisions: list[str]
+    attn_impls: list[str | None]
+    micro_batching: bool
+    notes: list[str]
+
+
+def _search_space(model: Any, hardware: Hardware, blocks: Any, checked: _Checked) -> _Space:
+    """The layouts, precisions, attention kernels and micro-batching to search, with a note on each left out.
+
+    Raises ``PlanError`` when ``blocks`` match no module, or when only sharded layouts are asked of a model
+    ``fsdp_memopt`` cannot shard."""
     factory = (lambda: model) if isinstance(model, nn.Module) else model
     with torch.device("meta"):
         described = factory() if not isinstance(model, nn.Module) else model
@@ -162,14 +296,16 @@ def plan(
     trainable = sum(p.numel() * 4 for p in described.parameters() if p.requires_grad)
     has_attention = bool(structure.attention)
     coupled = bool(getattr(described, "batch_coupled_loss", False))
-    precisions = list(precisions) if precisions is not None else [hardware.mixed_precision, "32-true"]
+    precisions = checked.precisions if checked.precisions is not None else [hardware.mixed_precision, "32-true"]
     notes = [_blocks_note(blocks, structure, found)]
+    layouts = checked.layouts
     if hardware.host_is_device:
         # the host is the device: a copy to it frees nothing (block offload is left out in block_options too)
-        layouts = layouts_for(devices, shards, (False,))
+        layouts = layouts_for(checked.devices, checked.shards, (False,))
         notes.append(
             f"offload not considered: on {hardware.name} the host is the device, so a copy to it frees nothing"
         )
+    attn_impls = checked.attn_impls
     if attn_impls is not None:
         attn_impls = list(attn_impls)
     elif not has_attention:
@@ -182,7 +318,7 @@ def plan(
         )
     else:
         attn_impls = ["sdpa", "math"]
-    use_micro = (not coupled) if micro_batching is None else micro_batching
+    use_micro = (not coupled) if checked.micro_batching is None else checked.micro_batching
     if not use_micro:
         notes.append("micro-batching not considered: the loss couples the samples of a batch")
     sharded_model = None
@@ -194,48 +330,7 @@ def plan(
             if not layouts:
                 raise PlanError(f"fsdp_memopt cannot shard the model: {error}") from None
             notes.append(f"FSDP sharding and CPU offload not considered: {error}")
-    limit = int(hardware.memory_bytes * (1 - safety_margin))
-    progress_bar = ProfileProgress() if progress else None
-    search = SearchContext(
-        factory,
-        batch,
-        loss_fn,
-        optimizer,
-        hardware,
-        limit,
-        layouts,
-        sharded_model,
-        gather_as_stored,
-        blocks,
-        [name for name, _ in found],
-        lean_blocks(found),
-        trainable,
-        progress_bar,
-    )
-    groups = [
-        Group(precision, attn, size)
-        for precision in precisions
-        for attn in attn_impls
-        for size in (micro_batch_sizes(batch_size(batch)) if use_micro else [None])
-    ]
-    try:
-        best = search_groups(search, groups, verify, options, every_kind)
-        measured = measure_chosen_options(search, best, groups[0], options)
-    finally:
-        if progress_bar is not None:
-            progress_bar.close()
-    return Plan(
-        hardware=hardware,
-        limit_bytes=limit,
-        safety_margin=safety_margin,
-        candidates=search.candidates,
-        skipped=search.skipped,
-        rejected=search.rejected,
-        chosen=best,
-        options=measured,
-        profiles=search.profiles,
-        notes=notes,
-    )
+    return _Space(factory, found, trainable, layouts, sharded_model, list(precisions), attn_impls, use_micro, notes)
 
 
 def _blocks_note(blocks: Any, structure: Any, found: list[tuple[str, nn.Module]]) -> str:
