@@ -13,8 +13,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_memopt"
 SOURCES = sorted(PACKAGE.rglob("*.py"))
-# what a file past this many lines must say in its docstring ("Over 300 lines because …")
-MOST_LINES = 330
+# what a file past this many lines must say in its docstring ("Over 500 lines because …")
+MOST_LINES = 500
 
 # private torch / Lightning API: only lightning_memopt/private_api.py may use it
 PRIVATE_USES = {
@@ -73,8 +73,8 @@ def test_a_long_file_says_why(path):
     if lines <= MOST_LINES:
         return
     docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
-    assert "Over 300 lines because" in docstring, (
-        f"{_relative(path)} has {lines} lines: split it by idea, or say in its docstring 'Over 300 lines because …'"
+    assert "Over 500 lines because" in docstring, (
+        f"{_relative(path)} has {lines} lines: split it by idea, or say in its docstring 'Over 500 lines because …'"
     )
 
 

@@ -130,8 +130,8 @@ def _names():
     def module(name: str):  # (by module path: a package may export a function of the module's name)
         return importlib.import_module(f"lightning_memopt.{name}")
 
-    micro_batch, policy, vocabulary = (
-        module("accumulation.micro_batch"),
+    runner, policy, vocabulary = (
+        module("accumulation.runner"),
         module("checkpointing.policy"),
         module("vocabulary"),
     )
@@ -146,7 +146,7 @@ def _names():
         "CheckpointMode": (vocabulary.CheckpointMode, vocabulary.CHECKPOINT_MODES),
         "AutoBlocks": (policy.AutoBlocks, policy.AUTO),
         "PolicyKeyword": (policy.PolicyKeyword, tuple(policy.KEYWORDS)),
-        "LossReduction": (micro_batch.LossReduction, micro_batch.LOSS_REDUCTIONS),
+        "LossReduction": (runner.LossReduction, runner.LOSS_REDUCTIONS),
         "CommHookName": (comm_hooks.CommHookName, comm_hooks.COMM_HOOKS),
         "ParamDtype": (fsdp.ParamDtype, tuple(fsdp.PARAM_DTYPES)),
         "GpuName": (hardware.GpuName, tuple(hardware.GPUS)),

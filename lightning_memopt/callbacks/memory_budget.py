@@ -1,8 +1,4 @@
-"""MemoryBudget: plan for the live model and device (at fit start, or ahead), apply it through callbacks it owns.
-
-Over 300 lines because the callback's docstring is its user reference (every argument, the strategies, the
-measured plans), and planning, agreeing on the plan across ranks and applying it are the steps of one hook.
-"""
+"""MemoryBudget: plan for the live model and device (at fit start, or ahead), apply it through callbacks it owns."""
 
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memopt.accumulation.split import batch_size
 from lightning_memopt.arguments import check_bool, check_int, check_optional_bool
+from lightning_memopt.batch_slicing import batch_size
 from lightning_memopt.checkpointing import Policy, check_blocks
 from lightning_memopt.memory.profile import LossFn, OptimizerSource
 from lightning_memopt.models.structure import model_structure

@@ -8,9 +8,6 @@ elsewhere the :class:`~lightning_memopt.memory.MemoryTracker`'s) and ``steps`` m
 Nothing of the run changes: the copy is thrown away and every random number generator is set back. An
 out-of-memory error ends that trial alone; the candidates predicted to need as much or more are not tried.
 
-Over 300 lines because which candidates to try, the loop trying them (its rules for out-of-memory errors, time,
-ranks and the run-off) and the trial itself are the parts of one measurement.
-
 Example::
 
     >>> import torch
@@ -34,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memopt.accumulation.split import batch_size, slice_batch
+from lightning_memopt.batch_slicing import batch_size, slice_batch
 from lightning_memopt.checkpointing import apply_activation_checkpointing
 from lightning_memopt.memory.compiled import uncompiled_copy
 from lightning_memopt.memory.profile import LossFn, OptimizerSource
