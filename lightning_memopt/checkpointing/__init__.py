@@ -14,12 +14,12 @@ from lightning_memopt.checkpointing.lean import LeanRecompute, lean_recompute
 from lightning_memopt.checkpointing.offload import (
     MIN_OFFLOAD_BYTES,
     OffloadStats,
+    PrefetchSchedule,
     offload_stats,
     offload_to_host,
     release_offload_buffers,
 )
 from lightning_memopt.checkpointing.offload_copies import PinnedBufferPool
-from lightning_memopt.checkpointing.offload_schedule import PrefetchSchedule
 from lightning_memopt.checkpointing.policy import (
     ActivationBudget,
     BlocksSpec,
