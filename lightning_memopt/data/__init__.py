@@ -1,6 +1,6 @@
 """Datamodules per task (synthetic and on-disk formats), face augmentation and verification pairs.
 
-Each name is imported on its first use, so ``memopt-pack-faces --help`` (``lightning_memopt.data.pack``)
+Each name is imported on its first use, so ``memopt-pack-faces --help`` (``lightning_memopt.cli.pack_faces``)
 answers without importing torch or Lightning.
 
 Example::

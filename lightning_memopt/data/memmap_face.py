@@ -7,7 +7,7 @@ A dataset is a directory of three files:
 - ``meta.json``: ``{"format": "lightning_memopt.faces.v1", "count": N, "height": H, "width": W,
   "channels": 3, "num_classes": C}``.
 
-``memopt-pack-faces`` (``lightning_memopt.data.pack``) writes it from an image folder.
+``memopt-pack-faces`` (:func:`~lightning_memopt.data.pack.pack_image_folder`) writes it from an image folder.
 """
 
 from __future__ import annotations

@@ -1,24 +1,20 @@
 """Pack an image folder (one sub-folder per identity) into the memmap face format.
 
-Command line: ``memopt-pack-faces SRC DST [--image-size N]`` or
-``python -m lightning_memopt.data.pack SRC DST [--image-size N]``.
+Command line: ``memopt-pack-faces SRC DST [--image-size N]`` (:mod:`lightning_memopt.cli.pack_faces`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from lightning_memopt.arguments import InputError
-from lightning_memopt.cli.errors import input_errors
 
-# The datasets (torch) are imported by `pack_image_folder`, not with this module, so that `main` parses and
-# answers `--help` before torch is loaded.
+# The datasets (torch) are imported by `pack_image_folder`, not with this module, so that `memopt-pack-faces`
+# parses and answers `--help` before torch is loaded.
 
 
 def pack_image_folder(
@@ -80,39 +76,3 @@ def pack_image_folder(
         json.dump(meta, stream, indent=2)
         stream.write("\n")
     return meta
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line of ``pack_image_folder``; prints a one-line summary and returns 0 (2 for a bad input).
-
-    Example::
-
-        >>> import tempfile
-        >>> from PIL import Image
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     os.makedirs(os.path.join(tmp, "faces", "alice"))
-        ...     Image.new("RGB", (16, 16)).save(os.path.join(tmp, "faces", "alice", "0.png"))
-        ...     code = main([os.path.join(tmp, "faces"), os.path.join(tmp, "packed")])  # doctest: +ELLIPSIS
-        packed 1 images of 16x16 from 1 identities into .../packed
-    """
-    parser = argparse.ArgumentParser(
-        prog="memopt-pack-faces",
-        description="Pack a face image folder (one sub-folder per identity) into the memmap face format.",
-    )
-    parser.add_argument("src", help="folder with one sub-folder of images per identity")
-    parser.add_argument("dst", help="output directory (images.u8, labels.npy, meta.json)")
-    parser.add_argument(
-        "--image-size", type=int, default=None, metavar="N", help="resize images to N x N (PIL bilinear)"
-    )
-    args = parser.parse_args(argv)
-    with input_errors("memopt-pack-faces", building=True):  # a bad folder or image: one line, exit status 2
-        meta = pack_image_folder(args.src, args.dst, image_size=args.image_size)
-    print(
-        f"packed {meta['count']} images of {meta['height']}x{meta['width']} from {meta['num_classes']}"
-        f" identities into {args.dst}"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
