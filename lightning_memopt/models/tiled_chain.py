@@ -38,7 +38,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from lightning_memopt.models.lean_recompute import Stage, check_pieces, elementwise_activation, input_statistics_norm
+from lightning_memopt.models.piecewise_recompute import (
+    Stage,
+    check_pieces,
+    elementwise_activation,
+    input_statistics_norm,
+)
 
 # tile-sized tensors (of the widest stage) that one tile of the backward holds at once: the stage input,
 # its pre-activation (kept for the activation's derivative) and its centred conv output, the next

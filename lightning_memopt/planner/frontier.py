@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lightning_memopt.checkpointing.lean import LeanRecompute
 from lightning_memopt.memory.profile import MemoryProfile
 from lightning_memopt.memory.work import Work
+from lightning_memopt.models.structure import LeanRecompute
 from lightning_memopt.planner.cost import step_cost, unhidden_offloads
 from lightning_memopt.planner.estimate import STEP_MOMENTS, StepEstimate, freed_bytes, held_bytes, recomputed_work
 from lightning_memopt.planner.hardware import Hardware
