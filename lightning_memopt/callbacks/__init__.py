@@ -8,7 +8,7 @@ from lightning_memopt.callbacks.last_checkpoint import LastCheckpoint
 from lightning_memopt.callbacks.memory_budget import MemoryBudget
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
 from lightning_memopt.callbacks.precision_switch import PrecisionSwitch
-from lightning_memopt.callbacks.random_state import RandomStateCheckpoint
+from lightning_memopt.callbacks.random_state_checkpoint import RandomStateCheckpoint
 from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
 from lightning_memopt.callbacks.validation_interval import ValidationWithinEpoch
 

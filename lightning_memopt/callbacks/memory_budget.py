@@ -42,7 +42,7 @@ from lightning_memopt.planner.measured import (
 )
 from lightning_memopt.planner.space import DEFAULT_SAFETY_MARGIN, check_safety_margin
 from lightning_memopt.private_api import training_dataloader
-from lightning_memopt.random_state import random_state_kept
+from lightning_memopt.random_generators import random_state_kept
 from lightning_memopt.strategies import MemoptFSDPStrategy
 
 _APPLIED_BY = (PrecisionSwitch, ActivationCheckpointing, AdaptiveAccumulation, CompiledStep)

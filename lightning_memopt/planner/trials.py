@@ -45,7 +45,7 @@ from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.models.structure import set_attention
 from lightning_memopt.planner.report import Candidate
 from lightning_memopt.private_api import activation_memory_budget, attached_trainer, disable_current_modes, tree_map
-from lightning_memopt.random_state import random_state_kept
+from lightning_memopt.random_generators import random_state_kept
 
 MEASURED, OUT_OF_MEMORY, OVER_BUDGET = "measured", "out of memory", "over the budget"
 _HALF = {"bf16": torch.bfloat16, "16": torch.float16}
