@@ -138,7 +138,7 @@ def _names():
     margin, topology, knn = module("losses.margin"), module("losses.topology"), module("metrics.functional.knn")
     hardware, schedule = module("planner.hardware"), module("precision.schedule")
     comm_hooks, fsdp = module("strategies.comm_hooks"), module("strategies.fsdp")
-    face_recognition, lr_schedule = module("tasks.face_recognition"), module("tasks.lr_schedule")
+    face_recognition, task_common = module("tasks.face_recognition"), module("tasks.common")
     return {
         "PrecisionName": (vocabulary.PrecisionName, vocabulary.PRECISIONS),
         "PrecisionAlias": (vocabulary.PrecisionAlias, tuple(vocabulary.PRECISION_ALIASES)),
@@ -153,7 +153,7 @@ def _names():
         "AttentionImpl": (vocabulary.AttentionImpl, vocabulary.ATTENTION_IMPLS),
         "CheckpointKnob": (vocabulary.CheckpointKnob, vocabulary.CHECKPOINT_KNOBS),
         "OptimizerName": (face_recognition.OptimizerName, face_recognition.OPTIMIZERS),
-        "ScheduleName": (lr_schedule.ScheduleName, lr_schedule.SCHEDULES),
+        "ScheduleName": (task_common.ScheduleName, task_common.SCHEDULES),
         "TopologyVariant": (topology.TopologyVariant, topology.VARIANTS),
         "Reduction": (margin.Reduction, margin.REDUCTIONS),
         "DistanceMetric": (knn.DistanceMetric, knn.METRICS),

@@ -21,7 +21,7 @@ from lightning_memopt.accumulation.errors import OOM, SIZE, Failure, count_sampl
 from lightning_memopt.accumulation.lockstep import check_same_pieces
 from lightning_memopt.accumulation.sizing import Shrink, check_min_size, halve, next_piece, redo_size
 from lightning_memopt.batch_slicing import BatchSplitError, batch_size, loss_of, merge_outputs, slice_batch, with_loss
-from lightning_memopt.memory.oom import is_oom_error, release_memory
+from lightning_memopt.memory.allocator import is_oom_error, release_memory
 from lightning_memopt.random_generators import capture_random_state, restore_random_state
 
 LOSS_REDUCTIONS = ("mean", "sum")

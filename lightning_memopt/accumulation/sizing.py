@@ -274,7 +274,6 @@ def redo_size(failed: int, shrink: Callable[[int], int], least: int) -> int:
 
     Example::
 
-        >>> from lightning_memopt.accumulation.sizing import halve
         >>> redo_size(18, halve, 2), redo_size(9, halve, 1)
         (10, 5)
     """

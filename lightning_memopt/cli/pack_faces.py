@@ -11,11 +11,10 @@ import argparse
 from collections.abc import Sequence
 
 from lightning_memopt.cli.errors import input_errors
-from lightning_memopt.data.pack import pack_image_folder
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Pack ``SRC`` into ``DST`` (:func:`~lightning_memopt.data.pack.pack_image_folder`); prints a one-line summary.
+    """Pack ``SRC`` into ``DST`` (:func:`~lightning_memopt.data.memmap_face.pack_image_folder`); print a summary.
 
     Returns 0, or exits with status 2 for a bad input.
 
@@ -39,6 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--image-size", type=int, default=None, metavar="N", help="resize images to N x N (PIL bilinear)"
     )
     args = parser.parse_args(argv)
+    from lightning_memopt.data.memmap_face import pack_image_folder  # (torch: once the arguments are read)
+
     with input_errors("memopt-pack-faces", building=True):  # a bad folder or image: one line, exit status 2
         meta = pack_image_folder(args.src, args.dst, image_size=args.image_size)
     print(
