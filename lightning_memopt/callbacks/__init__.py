@@ -1,6 +1,6 @@
 """Lightning callbacks, one per file, each thin over the functional layer."""
 
-from lightning_memopt.callbacks.accumulation_scheduler import StepAccumulationScheduler
+from lightning_memopt.callbacks.accumulation_scheduler import AccumulationSchedule, StepAccumulationScheduler
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
 from lightning_memopt.callbacks.compiled_step import CompiledStep
@@ -13,6 +13,7 @@ from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSumm
 from lightning_memopt.callbacks.validation_interval import ValidationWithinEpoch
 
 __all__ = [
+    "AccumulationSchedule",
     "ActivationCheckpointing",
     "AdaptiveAccumulation",
     "CompiledStep",
