@@ -282,7 +282,7 @@ def _entry(app: str) -> Callable[[list[str]], object]:
     """Call ``app``'s entry point on ``args``, as its console script would."""
     if app in ("memopt-pack-faces", "memopt-export"):
         from lightning_memopt.cli.export import main as export_main
-        from lightning_memopt.data.pack import main as pack_main
+        from lightning_memopt.cli.pack_faces import main as pack_main
 
         return {"memopt-pack-faces": pack_main, "memopt-export": export_main}[app]
     from lightning_memopt.cli import plan, profile, train

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_memopt.memory.chart import chart
+from lightning_memopt.memory.report import chart
 from lightning_memopt.vocabulary import MIB
 
 # the memory_budget knobs prefix, left out of the labels

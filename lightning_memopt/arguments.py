@@ -6,9 +6,6 @@ type or raises with the argument's name, the bad value and what is valid:
 ``ValueError`` for a value out of range or not among the choices, ``TypeError`` for a value of the
 wrong kind. Booleans are strict: a string is read as a word (``"off"`` is false), never by truthiness.
 
-Over 300 lines because it is the one home of every argument check (numbers, words, paths, addresses), each
-with its doctest, that the callbacks, data, tasks and apps import alike.
-
 Example::
 
     >>> check_bool("fail_safe", "off")

@@ -11,7 +11,7 @@ overrides ``_get_process_group_backend`` and reads ``_process_group_backend``, a
 ``SwitchablePrecision`` calls its base's ``_after_closure``, as Lightning's own subclasses do;
 ``FaceVerification._sync_dist`` is the hook torchmetrics documents for custom state syncing.
 
-Over 300 lines because it is the one place by design: each entry is a few lines with the public API it lacks, and
+Over 500 lines because it is the one place by design: each entry is a few lines with the public API it lacks, and
 splitting them by topic would give a release's breakage several files to be found in.
 
 Example::

@@ -130,15 +130,15 @@ def _names():
     def module(name: str):  # (by module path: a package may export a function of the module's name)
         return importlib.import_module(f"lightning_memopt.{name}")
 
-    micro_batch, policy, vocabulary = (
-        module("accumulation.micro_batch"),
+    runner, policy, vocabulary = (
+        module("accumulation.runner"),
         module("checkpointing.policy"),
         module("vocabulary"),
     )
     margin, topology, knn = module("losses.margin"), module("losses.topology"), module("metrics.functional.knn")
     hardware, schedule = module("planner.hardware"), module("precision.schedule")
     comm_hooks, fsdp = module("strategies.comm_hooks"), module("strategies.fsdp")
-    face_recognition, lr_schedule = module("tasks.face_recognition"), module("tasks.lr_schedule")
+    face_recognition, task_common = module("tasks.face_recognition"), module("tasks.common")
     return {
         "PrecisionName": (vocabulary.PrecisionName, vocabulary.PRECISIONS),
         "PrecisionAlias": (vocabulary.PrecisionAlias, tuple(vocabulary.PRECISION_ALIASES)),
@@ -146,14 +146,14 @@ def _names():
         "CheckpointMode": (vocabulary.CheckpointMode, vocabulary.CHECKPOINT_MODES),
         "AutoBlocks": (policy.AutoBlocks, policy.AUTO),
         "PolicyKeyword": (policy.PolicyKeyword, tuple(policy.KEYWORDS)),
-        "LossReduction": (micro_batch.LossReduction, micro_batch.LOSS_REDUCTIONS),
+        "LossReduction": (runner.LossReduction, runner.LOSS_REDUCTIONS),
         "CommHookName": (comm_hooks.CommHookName, comm_hooks.COMM_HOOKS),
         "ParamDtype": (fsdp.ParamDtype, tuple(fsdp.PARAM_DTYPES)),
         "GpuName": (hardware.GpuName, tuple(hardware.GPUS)),
         "AttentionImpl": (vocabulary.AttentionImpl, vocabulary.ATTENTION_IMPLS),
         "CheckpointKnob": (vocabulary.CheckpointKnob, vocabulary.CHECKPOINT_KNOBS),
         "OptimizerName": (face_recognition.OptimizerName, face_recognition.OPTIMIZERS),
-        "ScheduleName": (lr_schedule.ScheduleName, lr_schedule.SCHEDULES),
+        "ScheduleName": (task_common.ScheduleName, task_common.SCHEDULES),
         "TopologyVariant": (topology.TopologyVariant, topology.VARIANTS),
         "Reduction": (margin.Reduction, margin.REDUCTIONS),
         "DistanceMetric": (knn.DistanceMetric, knn.METRICS),

@@ -5,17 +5,18 @@ what :class:`~lightning_memopt.AdaptiveAccumulation` does for a training or eval
 :class:`MicroBatchRunner`; :func:`deliver` hands the accumulated gradients to a loop's own backward.
 """
 
-from lightning_memopt.accumulation.delivery import deliver, scaled_backward
-from lightning_memopt.accumulation.diagnosis import with_profile
-from lightning_memopt.accumulation.errors import MicroBatchSizeError, RanksOutOfStepError, SampleOutOfMemoryError
+from lightning_memopt.accumulation.errors import (
+    MicroBatchSizeError,
+    RanksOutOfStepError,
+    SampleOutOfMemoryError,
+    with_profile,
+)
 from lightning_memopt.accumulation.evaluation import EvaluationChunks
 from lightning_memopt.accumulation.lockstep import Lockstep
-from lightning_memopt.accumulation.micro_batch import LOSS_REDUCTIONS, MicroBatchResult, MicroBatchRunner
-from lightning_memopt.accumulation.min_size import batch_norms, min_micro_batch_size
-from lightning_memopt.accumulation.recovery import TrainingRecovery
-from lightning_memopt.accumulation.schedule import AccumulationSchedule
-from lightning_memopt.accumulation.sizing import MicroBatchSizer, halve
-from lightning_memopt.accumulation.split import (
+from lightning_memopt.accumulation.runner import LOSS_REDUCTIONS, MicroBatchResult, MicroBatchRunner
+from lightning_memopt.accumulation.sizing import MicroBatchSizer, batch_norms, halve, min_micro_batch_size
+from lightning_memopt.accumulation.training import TrainingRecovery, deliver, scaled_backward
+from lightning_memopt.batch_slicing import (
     BatchSplitError,
     batch_size,
     merge_outputs,
@@ -25,7 +26,6 @@ from lightning_memopt.accumulation.split import (
 
 __all__ = [
     "LOSS_REDUCTIONS",
-    "AccumulationSchedule",
     "BatchSplitError",
     "EvaluationChunks",
     "Lockstep",

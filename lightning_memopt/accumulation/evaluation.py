@@ -7,12 +7,11 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memopt.accumulation import messages
+from lightning_memopt.accumulation.errors import log_info
 from lightning_memopt.accumulation.lockstep import Lockstep
-from lightning_memopt.accumulation.micro_batch import MicroBatchRunner
-from lightning_memopt.accumulation.min_size import batch_norms, update_min_size
-from lightning_memopt.accumulation.sizing import Shrink, halve
-from lightning_memopt.accumulation.split import batch_size_or_none
+from lightning_memopt.accumulation.runner import MicroBatchRunner
+from lightning_memopt.accumulation.sizing import Shrink, batch_norms, halve, update_min_size
+from lightning_memopt.batch_slicing import batch_size_or_none
 
 
 class EvaluationChunks:
@@ -78,7 +77,7 @@ class EvaluationChunks:
         result = self.runner.run(step, batch, size)
         if result.recovered:
             self.micro_batch_size = result.micro_batch_size
-            messages.info(
+            log_info(
                 f"AdaptiveAccumulation: out of memory in {hook}; batches of {total} are evaluated in chunks of "
                 f"{result.micro_batch_size} from now on"
             )

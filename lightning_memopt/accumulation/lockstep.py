@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from lightning_memopt.accumulation.errors import RanksOutOfStepError, count_samples
-from lightning_memopt.accumulation.pieces import count_pieces
-from lightning_memopt.memory.oom import is_oom_error
+from lightning_memopt.accumulation.sizing import count_pieces
+from lightning_memopt.memory.allocator import is_oom_error
 from lightning_memopt.private_api import abort_process_groups
 
 TRAINING_STEP = "training_step"

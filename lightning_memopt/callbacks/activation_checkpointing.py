@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_memopt.callbacks.memory_budget_plan import hardware_for
-from lightning_memopt.callbacks.model_setup import after_configure_model
+from lightning_memopt.callbacks.module_hooks import after_configure_model
 from lightning_memopt.checkpointing import (
     ActivationBudget,
     CheckpointReport,

@@ -5,7 +5,7 @@ The callback decides when; :mod:`lightning_memopt.accumulation` does the work, w
 :class:`~lightning_memopt.accumulation.EvaluationChunks` an evaluation batch in chunks,
 :func:`~lightning_memopt.accumulation.deliver` hands the gradients to Lightning's backward and
 :func:`~lightning_memopt.accumulation.with_profile` says why the smallest micro-batch does not fit. The step
-hooks are replaced through :class:`~lightning_memopt.callbacks.step_hooks.StepHooks`, and the step-keyed
+hooks are replaced through :class:`~lightning_memopt.callbacks.module_hooks.StepHooks`, and the step-keyed
 schedule is a :class:`~lightning_memopt.callbacks.StepAccumulationScheduler`.
 """
 
@@ -25,7 +25,6 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_memopt.accumulation import (
-    AccumulationSchedule,
     EvaluationChunks,
     Lockstep,
     MicroBatchSizer,
@@ -36,11 +35,11 @@ from lightning_memopt.accumulation import (
     scaled_backward,
     with_profile,
 )
-from lightning_memopt.accumulation.micro_batch import LossReduction, check_loss_reduction
+from lightning_memopt.accumulation.runner import LossReduction, check_loss_reduction
 from lightning_memopt.accumulation.sizing import Shrink
 from lightning_memopt.arguments import check_bool, check_optional_int
-from lightning_memopt.callbacks.accumulation_scheduler import StepAccumulationScheduler
-from lightning_memopt.callbacks.step_hooks import PieceRunner, StepHooks
+from lightning_memopt.callbacks.accumulation_scheduler import AccumulationSchedule, StepAccumulationScheduler
+from lightning_memopt.callbacks.module_hooks import PieceRunner, StepHooks
 from lightning_memopt.distributed import max_over_ranks
 from lightning_memopt.strategies import MemoptFSDPStrategy
 

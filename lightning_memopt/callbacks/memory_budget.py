@@ -1,8 +1,4 @@
-"""MemoryBudget: plan for the live model and device (at fit start, or ahead), apply it through callbacks it owns.
-
-Over 300 lines because planning, agreeing on the plan across ranks and applying it are the steps of one hook
-(the reference for each argument is docs/guide/planning.md).
-"""
+"""MemoryBudget: plan for the live model and device (at fit start, or ahead), apply it through callbacks it owns."""
 
 from __future__ import annotations
 
@@ -46,7 +42,7 @@ from lightning_memopt.planner.measured import (
 )
 from lightning_memopt.planner.space import DEFAULT_SAFETY_MARGIN, check_safety_margin
 from lightning_memopt.private_api import training_dataloader
-from lightning_memopt.random_state import random_state_kept
+from lightning_memopt.random_generators import random_state_kept
 from lightning_memopt.strategies import MemoptFSDPStrategy
 
 _APPLIED_BY = (PrecisionSwitch, ActivationCheckpointing, AdaptiveAccumulation, CompiledStep)

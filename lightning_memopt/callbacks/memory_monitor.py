@@ -12,10 +12,16 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_memopt.arguments import check_bind_address, check_bool, check_int, check_optional_int, check_path
+from lightning_memopt.memory.allocator import is_oom_error
 from lightning_memopt.memory.compiled import compiled_parts
-from lightning_memopt.memory.figures import CPU_FIGURES, CUDA_FIGURES, cuda_figures, tracker_figures, write_oom_files
-from lightning_memopt.memory.oom import is_oom_error
-from lightning_memopt.memory.prometheus import PrometheusGauges
+from lightning_memopt.memory.figures import (
+    CPU_FIGURES,
+    CUDA_FIGURES,
+    PrometheusGauges,
+    cuda_figures,
+    tracker_figures,
+    write_oom_files,
+)
 from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.private_api import ends_optimizer_step, logging_step, record_cuda_memory_history, tree_flatten
 

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_memopt.arguments import check_float, check_int, check_optional_bool
-from lightning_memopt.callbacks.model_setup import after_configure_model
+from lightning_memopt.callbacks.module_hooks import after_configure_model
 from lightning_memopt.precision import (
     PrecisionSchedule,
     SwitchablePrecision,

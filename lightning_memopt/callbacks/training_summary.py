@@ -15,10 +15,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_memopt.accumulation.split import BatchSplitError, batch_size
 from lightning_memopt.arguments import check_bool, check_int, check_output_file
+from lightning_memopt.batch_slicing import BatchSplitError, batch_size
 from lightning_memopt.memory.compiled import compiled_parts
-from lightning_memopt.memory.cuda_peak import mark_peak, peak_since_mark
+from lightning_memopt.memory.figures import mark_peak, peak_since_mark
 from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.private_api import logging_step, tree_flatten
 from lightning_memopt.results_file import append_row

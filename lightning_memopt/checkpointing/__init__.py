@@ -10,16 +10,15 @@ Example::
     4
 """
 
-from lightning_memopt.checkpointing.lean import LeanRecompute, lean_recompute
 from lightning_memopt.checkpointing.offload import (
     MIN_OFFLOAD_BYTES,
     OffloadStats,
+    PrefetchSchedule,
     offload_stats,
     offload_to_host,
     release_offload_buffers,
 )
 from lightning_memopt.checkpointing.offload_copies import PinnedBufferPool
-from lightning_memopt.checkpointing.offload_schedule import PrefetchSchedule
 from lightning_memopt.checkpointing.policy import (
     ActivationBudget,
     BlocksSpec,
@@ -36,6 +35,7 @@ from lightning_memopt.checkpointing.wrap import (
     checkpoint_modules,
     remove_activation_checkpointing,
 )
+from lightning_memopt.models.structure import LeanRecompute, lean_recompute
 from lightning_memopt.vocabulary import CHECKPOINT_MODES, CheckpointMode
 
 __all__ = [

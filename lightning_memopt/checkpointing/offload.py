@@ -8,9 +8,9 @@ them). Within a step:
 - a storage is copied once: the same tensor saved by several ops, or views of one storage (a
   block's output saved by its last op and by the next block's first op; the heads of a packed
   projection), in one group or several, share one host copy, and the views come back with their
-  sizes, strides and offset, so kernels take the same path (see
-  :mod:`~lightning_memopt.checkpointing.offload_step`). Parameters and their views, empty tensors
-  and tensors that are not plain strided ones (sparse, subclasses, lazy conjugates) stay in place.
+  sizes, strides and offset, so kernels take the same path (see :class:`OffloadStep`). Parameters
+  and their views, empty tensors and tensors that are not plain strided ones (sparse, subclasses,
+  lazy conjugates) stay in place.
 - on CUDA the copies run on two side streams, one to the host and one back (the link carries both
   directions at once), with pinned buffers reused across steps, and the first unpack of a group in
   the backward pass starts bringing back that group (if not yet on its way) and the one packed
@@ -18,8 +18,7 @@ them). Within a step:
   block's backward holds its own offloaded tensors and the next one's. The last group packed comes
   back while nothing else runs (its backward comes first): on a GPU the planner offloads the blocks
   whose copies the step's compute hides and keeps the last ones on the device, unless nothing else
-  fits (see :mod:`~lightning_memopt.planner.offload_price`,
-  :mod:`~lightning_memopt.checkpointing.offload_schedule` and
+  fits (see :mod:`~lightning_memopt.planner.offload_price`, :class:`PrefetchSchedule` and
   :mod:`~lightning_memopt.checkpointing.offload_copies`). Nothing synchronizes the host. The pinned
   buffers stay for the next step, never more bytes than the most a step had in use at once;
   :func:`release_offload_buffers` frees them, :func:`offload_stats` tells what is held.
@@ -43,6 +42,7 @@ host copy: gradients and outputs are bitwise those of no offloading.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import threading
 import weakref
@@ -55,9 +55,8 @@ from torch import nn
 
 from lightning_memopt.arguments import check_int
 from lightning_memopt.checkpointing.offload_copies import ImmediateCopies, StreamCopies
-from lightning_memopt.checkpointing.offload_step import HostCopy, OffloadGroup, OffloadStep
 from lightning_memopt.memory.tracker import host_memory
-from lightning_memopt.private_api import is_fake, is_traceable_wrapper_subclass, storage_base
+from lightning_memopt.private_api import is_fake, is_traceable_wrapper_subclass, storage_base, tensor_version
 from lightning_memopt.vocabulary import MIB
 
 MIN_OFFLOAD_BYTES = MIB  # the default ``min_bytes``: the reasoning is in the module's docstring
@@ -237,3 +236,208 @@ def release_offload_buffers() -> int:
     if torch.cuda.is_initialized() and empty_host_cache is not None:
         empty_host_cache()
     return released
+
+
+WHOLE_STORAGE_FACTOR = 4  # a view with gaps copies its whole storage up to this many times its own bytes
+ALIGNMENT = 512  # bytes: a view's offset into its copy keeps its offset into its storage modulo this
+
+
+class HostCopy:
+    """One host copy of elements ``[start, end)`` of a device storage (or of one view, compacted: ``geometry``).
+
+    ``transport`` sets ``host`` (and, on CUDA, ``buffer`` and ``event``) now, ``image`` (the copy
+    back on the device) when the backward pass wants it.
+    """
+
+    def __init__(self, tensor: torch.Tensor, transport: Any, version: int, start: int, end: int, geometry: Any) -> None:
+        self.device, self.dtype, self.version = tensor.device, tensor.dtype, version
+        self.start, self.end, self.geometry = start, end, geometry
+        self.transport = transport
+        self.host: torch.Tensor | None = None
+        self.buffer: torch.Tensor | None = None  # the pooled buffer under ``host``
+        self.event: Any = None  # the last copy touching ``host`` (on CUDA)
+        self.image: torch.Tensor | None = None
+        source = tensor.detach()
+        transport.to_host(self, source if geometry else source.as_strided((end - start,), (1,), start))
+
+    def holds(self, dtype: torch.dtype, version: int, start: int, end: int, geometry: Any) -> bool:
+        """Whether this copy serves a view of its storage with these dtype, version, extent and geometry."""
+        if dtype != self.dtype or version != self.version:
+            return False
+        return geometry == self.geometry if self.geometry else self.start <= start and end <= self.end
+
+    def view(self, size: torch.Size, stride: tuple[int, ...], offset: int) -> torch.Tensor:
+        """The saved view, rebuilt from ``image``."""
+        if self.geometry:
+            return self.image
+        return self.image.as_strided(size, stride, offset - self.start)
+
+    def __del__(self) -> None:
+        if self.buffer is not None:  # no saved tensor uses it now: the pooled buffer goes back
+            self.transport.release(self.buffer, self.event)
+
+
+class OffloadStep:
+    """The groups offloaded since none was alive, and their host copies by device storage.
+
+    A step's copies are keyed by the device storage (held weakly, so two tensors never share a copy),
+    the dtype and the in-place version counter (a tensor changed in place is copied anew). A saved
+    tensor that an existing copy covers reuses it; otherwise a new copy is made of:
+
+    - a dense (or expanded) view: its extent, from a start rounded down to 512 bytes, so the view
+      rebuilt from the copy keeps its storage offset modulo 512 bytes (kernels take the same path);
+    - a view with gaps: its whole storage when that is at most 4× its own bytes (the heads of a packed
+      ``qkv`` projection, the halves of a gated activation: one copy serves them all), else its
+      elements alone, compacted (it comes back contiguous, and serves that very view only).
+
+    How a copy moves is its transport's business (see
+    :mod:`~lightning_memopt.checkpointing.offload_copies`).
+
+    Example::
+
+        >>> from lightning_memopt.checkpointing.offload_copies import ImmediateCopies
+        >>> transport = ImmediateCopies(lambda shape, dtype, pinned: torch.empty(shape, dtype=dtype))
+        >>> step = OffloadStep()
+        >>> heads = torch.randn(4, 3, 8).unbind(1)  # three views with gaps of one storage
+        >>> copies = {step.host_copy(head, transport) for head in heads}
+        >>> len(copies), copies.pop().host.shape
+        (1, torch.Size([96]))
+    """
+
+    def __init__(self) -> None:
+        self.schedule = PrefetchSchedule()
+        self._copies: weakref.WeakKeyDictionary[Any, list[weakref.ref[HostCopy]]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def host_copy(self, tensor: torch.Tensor, transport: Any) -> HostCopy:
+        """The host copy holding ``tensor``: one already made in this step, or a new one that ``transport`` makes."""
+        storage, version, dtype, numel = tensor.untyped_storage(), tensor_version(tensor), tensor.dtype, tensor.numel()
+        start = tensor.storage_offset()
+        if tensor.is_contiguous():
+            end = start + numel
+        else:
+            end = (
+                start + 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+            )
+        geometry = (tensor.shape, tensor.stride(), start)
+        with self._lock:
+            known = [copy for copy in (reference() for reference in self._copies.get(storage, ())) if copy is not None]
+            for copy in known:
+                if copy.holds(dtype, version, start, end, geometry):
+                    return copy
+            whole = storage.nbytes() // tensor.element_size()
+            if end - start <= numel:  # dense, or overlapping (expanded): its extent, from an aligned start
+                start, geometry = start - start % (ALIGNMENT // tensor.element_size()), None
+            elif whole <= WHOLE_STORAGE_FACTOR * numel:  # gaps that sibling views fill: all of it
+                start, end, geometry = 0, whole, None
+            copy = HostCopy(tensor, transport, version, start, end, geometry)
+            self._copies[storage] = [*map(weakref.ref, known), weakref.ref(copy)]
+            return copy
+
+
+class OffloadGroup:
+    """The host copies one offloaded block call made or reused, in packing order."""
+
+    __slots__ = ("copies", "step", "__weakref__")
+
+    def __init__(self, step: OffloadStep) -> None:
+        self.step = step
+        self.copies: list[weakref.ref[HostCopy]] = []
+        step.schedule.add(self)
+
+    def hold(self, copy: HostCopy) -> None:
+        """``copy`` serves a tensor this group saved."""
+        if not self.copies or self.copies[-1]() is not copy:
+            self.copies.append(weakref.ref(copy))
+
+    def live(self) -> list[HostCopy]:
+        """The copies still used by a saved tensor, in packing order."""
+        return [copy for copy in (reference() for reference in self.copies) if copy is not None]
+
+
+_PRUNE_FROM = 64  # groups remembered before released ones are first forgotten
+
+
+class PrefetchSchedule:
+    """Which offloaded groups to bring back when the backward pass first unpacks a group.
+
+    One ``offload_to_host()`` context (one offloaded block call) packs one *group*. The forward pass
+    packs the groups in order; the backward pass needs them back in roughly the reverse order. So when
+    the backward first unpacks a tensor of a group, that group's copies start (unless already under
+    way) and so do those of the group packed just before it, the one the backward needs next: its
+    copies overlap this block's backward. The rule is pure Python, kept apart from the copies so that
+    it is tested without a device.
+
+    Groups are held weakly: a group whose saved tensors autograd has released (its backward has
+    run, or its graph was dropped) disappears from the order, and a prefetch passes over it to the
+    group packed before it. A group is started at most once. Released groups are forgotten as new
+    ones arrive (a step kept alive by a graph that is never run does not grow without bound).
+
+    Example::
+
+        >>> class Group:  # anything weakly referable stands for a group
+        ...     def __init__(self, name):
+        ...         self.name = name
+        >>> schedule = PrefetchSchedule()
+        >>> groups = [Group(name) for name in "abc"]
+        >>> for group in groups:
+        ...     schedule.add(group)
+        >>> [g.name for g in schedule.first_unpack(groups[2])]  # the last block's backward runs first
+        ['c', 'b']
+        >>> [g.name for g in schedule.first_unpack(groups[1])]  # b was prefetched: only a is due
+        ['a']
+        >>> schedule.first_unpack(groups[1])  # a group's later unpacks start nothing
+        []
+    """
+
+    def __init__(self) -> None:
+        self._order: list[tuple[int, weakref.ref[Any]]] = []  # (number, group) in the order the forward packed them
+        self._number: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._added = 0
+        self._kept = _PRUNE_FROM  # prune released groups from the order once it is twice this long
+        self._started: weakref.WeakSet[Any] = weakref.WeakSet()  # fetched, or being fetched
+        self._unpacked: weakref.WeakSet[Any] = weakref.WeakSet()  # the backward has unpacked from them
+        self._lock = threading.Lock()  # the forward's thread adds, autograd's device thread unpacks
+
+    def add(self, group: Any) -> None:
+        """Append ``group``, packed after every group added so far."""
+        with self._lock:
+            self._number[group] = self._added
+            self._order.append((self._added, weakref.ref(group)))
+            self._added += 1
+            if len(self._order) >= 2 * self._kept:
+                self._order = [(number, reference) for number, reference in self._order if reference() is not None]
+                self._kept = max(len(self._order), _PRUNE_FROM)
+
+    def first_unpack(self, group: Any) -> list[Any]:
+        """The groups whose copies to start now that the backward unpacks from ``group``, in that order.
+
+        On the first unpack of ``group``: itself, unless already started, then the nearest live group
+        packed before it, unless already started. On any later unpack: none.
+
+        Raises:
+            KeyError: ``group`` was never added.
+        """
+        with self._lock:
+            number = self._number[group]
+            if group in self._unpacked:
+                return []
+            self._unpacked.add(group)
+            due = [group]
+            for _, reference in reversed(self._order[: bisect.bisect_left(self._order, number, key=lambda x: x[0])]):
+                previous = reference()
+                if previous is not None:
+                    due.append(previous)
+                    break
+            due = [g for g in due if g not in self._started]
+            self._started.update(due)
+            return due
+
+    def live_groups(self) -> list[Any]:
+        """The groups still holding offloaded tensors, in packing order."""
+        with self._lock:
+            return [group for group in (reference() for _, reference in self._order) if group is not None]
+
+    def __len__(self) -> int:
+        """The groups remembered: the live ones, and released ones not yet forgotten."""
+        return len(self._order)

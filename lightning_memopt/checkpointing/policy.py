@@ -61,7 +61,7 @@ class Policy:
             recomputes nothing and keeps the saved activations in (pinned) host memory; ``"lean"`` is
             full recomputation by the module's own memory-lean path where it has one (a
             ``checkpointed_forward``: chunks or tiles, less held again in backward for more kernels,
-            :mod:`~lightning_memopt.checkpointing.lean`), plain ``"full"`` where it has none.
+            :class:`~lightning_memopt.models.structure.LeanRecompute`), plain ``"full"`` where it has none.
 
     Raises:
         ValueError: an unknown ``mode``, an ``every_n`` below 1, or a module spec that is neither a

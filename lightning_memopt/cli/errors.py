@@ -10,24 +10,33 @@ Exit status, the same for every app:
 - ``130``: stopped with Ctrl-C (``memopt-train``: once, after the step in progress and saving ``last.ckpt``;
   twice, at once).
 
+A command line Hydra cannot compose (an unknown group option or key, a bad override) is said in one line
+too, with the key, the value and the valid choices (:func:`config_error`): Hydra's own report takes 7–26 lines
+and names no near key.
+
 ``--debug`` on the command line (or ``HYDRA_FULL_ERROR=1``) shows the traceback of a bad input too.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException, InstantiationException
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, HydraException, InstantiationException, MissingConfigException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_memopt.arguments import InputError
-from lightning_memopt.cli.config import with_config_keys
+from lightning_memopt.cli.config import config_dir, dotted_keys, with_config_keys
 
 # What torch puts into the message of an error re-raised from a DataLoader worker, before the worker's traceback
 WORKER_TRACEBACK = "Original Traceback (most recent call last)"
@@ -153,15 +162,13 @@ def run_hydra_app(app: str, hydra_main: Callable[[], Any], config_name: str | No
     Takes ``--debug`` off the command line (setting ``HYDRA_FULL_ERROR=1``). A command line that
     ``config_name`` cannot be composed from (an unknown group option or key, a bad override) ends in one line
     naming the key, the value and the valid choices, status 2
-    (:func:`~lightning_memopt.cli.override_errors.config_error`); what Hydra still refuses before the task
+    (:func:`config_error`); what Hydra still refuses before the task
     starts ends with its own message, status 2 too.
     """
     if "--debug" in sys.argv[1:]:
         sys.argv = [sys.argv[0], *(arg for arg in sys.argv[1:] if arg != "--debug")]
         os.environ["HYDRA_FULL_ERROR"] = "1"
     if config_name is not None and not debugging():
-        from lightning_memopt.cli.override_errors import config_error
-
         error = config_error(config_name, sys.argv[1:])
         if error is not None:
             fail(app, error)
@@ -181,3 +188,79 @@ def task_started() -> None:
     """Mark that Hydra composed the config and called the task; call it first in a ``@hydra.main`` function."""
     global _tasks_started
     _tasks_started += 1
+
+
+# command-line flags after which the apps compose nothing themselves: Hydra answers them as it does
+_HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion", "-cp",
+                "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun")  # fmt: skip
+# group options that come with an extra of the package: group/option → the extra
+_EXTRAS = {
+    "hydra/sweeper/optuna": "optuna",
+    "hydra/launcher/submitit_slurm": "slurm",
+    "hydra/launcher/joblib": "joblib",
+}
+
+
+def config_error(config_name: str, arguments: list[str]) -> str | None:
+    """The first thing Hydra cannot compose from ``arguments`` (the app's command line), in one line; ``None``
+    when it composes, or when ``arguments`` hold a flag Hydra answers itself (``--help``, ``--cfg``, …).
+
+    The apps compose the command line's overrides once before Hydra runs (sweeps of ``-m`` left to Hydra) and
+    stop at the first error with this line.
+
+    Example::
+
+        >>> print(config_error("train", ["trainer.max_step=2"]))  # doctest: +ELLIPSIS
+        `trainer.max_step`: no such key in the config; did you mean `trainer.max_steps`, `trainer.max_epochs`? (a ...
+        >>> config_error("train", ["trainer.max_steps=2"]) is None
+        True
+    """
+    if any(argument.split("=")[0] in _HYDRA_FLAGS for argument in arguments):
+        return None
+    overrides = [argument for argument in arguments if not argument.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as error:
+        return describe(error)
+    plain = [override.input_line for override in parsed if not override.is_sweep_override()]
+    with initialize_config_dir(config_dir(), version_base="1.3"):
+        try:
+            compose(config_name, overrides=plain, return_hydra_config=True)
+        except MissingConfigException as error:
+            return _missing_option(error)
+        except ConfigCompositionException as error:
+            return _unknown_key(config_name, error, plain)
+        except (HydraException, OmegaConfBaseException) as error:
+            return describe(error)
+    return None
+
+
+def _missing_option(error: MissingConfigException) -> str:
+    """``memopt=checkpoint`` → the group's valid choices; an option of an extra → the extra to install."""
+    missing = error.missing_cfg_file or ""
+    group, _, option = missing.rpartition("/")
+    extra = _EXTRAS.get(missing)
+    if extra is not None:
+        return f'`{group}={option}` needs the {extra} extra: pip install "lightning-memopt[{extra}]"'
+    if not group:
+        return describe(error)
+    options = error.options or GlobalHydra.instance().config_loader().get_group_options(group)
+    return f"`{group}={option}`: no such option of `{group}`; valid choices: {', '.join(sorted(options))}"
+
+
+def _unknown_key(config_name: str, error: ConfigCompositionException, overrides: list[str]) -> str:
+    """``trainer.max_step=2`` → the nearest keys anywhere in the config, and how to add a new one."""
+    found = re.search(r"Could not override '([^']+)'", str(error))
+    if found is None:
+        return describe(error)
+    key = found.group(1)
+    value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "…")
+    others = [o for o in overrides if o.split("=", 1)[0] != key]
+    try:
+        config = compose(config_name, overrides=others)
+    except (HydraException, OmegaConfBaseException):
+        config = None
+    near = difflib.get_close_matches(key, dotted_keys(config), n=3, cutoff=0.75) if config is not None else []
+    named = ", ".join(f"`{name}`" for name in near)
+    hint = f"; did you mean {named}?" if near else ""
+    return f"`{key}`: no such key in the config{hint} (a new key: +{key}={value})"

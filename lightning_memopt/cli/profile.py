@@ -56,7 +56,7 @@ def profile(cfg: DictConfig) -> MemoryProfile:
 
 def write_breakdown_chart(result: MemoryProfile, path: Path) -> None:
     """A horizontal bar of the breakdown at the peak, one segment per category."""
-    from lightning_memopt.memory.chart import chart
+    from lightning_memopt.memory.report import chart
 
     with chart(path, (8, 2.2)) as axes:
         left = 0.0

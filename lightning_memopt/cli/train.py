@@ -229,7 +229,7 @@ def fit(run: Run) -> FitSummary:
     from lightning.pytorch.utilities import rank_zero_info
 
     from lightning_memopt.callbacks.last_checkpoint import LastCheckpoint
-    from lightning_memopt.cli.loggers import finish_logger_runs
+    from lightning_memopt.cli.config import finish_logger_runs
 
     rank_zero_info(f"memopt-train: model={type(run.model).__name__} data={type(run.datamodule).__name__}")
     last_checkpoints = [callback for callback in run.trainer.callbacks if isinstance(callback, LastCheckpoint)]

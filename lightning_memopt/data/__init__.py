@@ -1,6 +1,6 @@
 """Datamodules per task (synthetic and on-disk formats), face augmentation and verification pairs.
 
-Each name is imported on its first use, so ``memopt-pack-faces --help`` (``lightning_memopt.data.pack``)
+Each name is imported on its first use, so ``memopt-pack-faces --help`` (``lightning_memopt.cli.pack_faces``)
 answers without importing torch or Lightning.
 
 Example::
@@ -20,9 +20,8 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports e
     from lightning_memopt.data.face_datamodule import FaceDataModule
     from lightning_memopt.data.image_folder_face import ImageFolderFaceDataModule
     from lightning_memopt.data.loader_datamodule import LoaderDataModule
-    from lightning_memopt.data.memmap_face import MemmapFaceDataModule
+    from lightning_memopt.data.memmap_face import MemmapFaceDataModule, pack_image_folder
     from lightning_memopt.data.normals_folder import NormalsFolderDataModule
-    from lightning_memopt.data.pack import pack_image_folder
     from lightning_memopt.data.pairs import PairDataset, verification_pairs
     from lightning_memopt.data.synthetic_face import SyntheticFaceDataModule
     from lightning_memopt.data.synthetic_normals import SyntheticNormalsDataModule
@@ -42,7 +41,7 @@ _LAZY = {
     "SyntheticNormalsDataModule": "synthetic_normals",
     "SyntheticTrackingDataModule": "synthetic_tracking",
     "TrackingNpzDataModule": "tracking_npz",
-    "pack_image_folder": "pack",
+    "pack_image_folder": "memmap_face",
     "verification_pairs": "pairs",
 }
 

@@ -7,7 +7,7 @@ A dataset is a directory of three files:
 - ``meta.json``: ``{"format": "lightning_memopt.faces.v1", "count": N, "height": H, "width": W,
   "channels": 3, "num_classes": C}``.
 
-``memopt-pack-faces`` (``lightning_memopt.data.pack``) writes it from an image folder.
+:func:`pack_image_folder` (the command line: ``memopt-pack-faces``) writes it from an image folder.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from lightning_memopt.data.face_datamodule import (
     per_identity_datasets,
     to_face_tensor,
 )
+from lightning_memopt.data.image_folder_face import ImageFolderFaceDataset, scan_image_folder
 
 FORMAT = "lightning_memopt.faces.v1"
 IMAGES_FILE = "images.u8"
@@ -228,7 +229,6 @@ class MemmapFaceDataModule(FaceDataModule):
     Example::
 
         >>> import tempfile
-        >>> from lightning_memopt.data.pack import pack_image_folder
         >>> from PIL import Image
         >>> with tempfile.TemporaryDirectory() as tmp:
         ...     for name in ("alice", "bob"):
@@ -280,3 +280,61 @@ class MemmapFaceDataModule(FaceDataModule):
             return MemmapFaceDataset(self.images_file, shape, self.labels, indices)
 
         return per_identity_datasets(self.labels, self.val_fraction, self.seed, rows)
+
+
+def pack_image_folder(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], image_size: int | None = None
+) -> dict[str, Any]:
+    """Write the images of folder ``src`` to the memmap face format in directory ``dst``.
+
+    Images go in scan order (identities sorted by folder name, files by name), one at a time, so
+    memory use does not grow with the dataset. ``meta.json`` is written last: an interrupted
+    pack leaves no valid dataset behind. Existing dataset files in ``dst`` are replaced.
+
+    Args:
+        src: the folder holding one sub-folder of images per identity.
+        dst: the output directory (created if missing).
+        image_size: resize every image (PIL bilinear) to this square size; None keeps the file
+            size, which must then be the same for every image.
+
+    Returns:
+        The meta dict written to ``meta.json``.
+
+    Raises:
+        FileNotFoundError: ``src`` does not exist.
+        ValueError: no identity folders, an identity folder without images, images of different
+            sizes without ``image_size``, or ``image_size`` < 1.
+        RuntimeError: an image cannot be decoded.
+
+    Example::
+
+        >>> import tempfile
+        >>> from PIL import Image
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     os.makedirs(os.path.join(tmp, "faces", "alice"))
+        ...     Image.new("RGB", (20, 10)).save(os.path.join(tmp, "faces", "alice", "0.png"))
+        ...     src, dst = os.path.join(tmp, "faces"), os.path.join(tmp, "packed")
+        ...     meta = pack_image_folder(src, dst, image_size=16)
+        >>> meta["count"], meta["height"], meta["width"], meta["num_classes"]
+        (1, 16, 16, 1)
+    """
+    if image_size is not None and image_size < 1:
+        raise InputError(f"`image_size` must be at least 1 or None, got {image_size!r}")
+    classes, samples = scan_image_folder(src)
+    dataset = ImageFolderFaceDataset(samples, image_size)
+    dst = os.fspath(dst)
+    os.makedirs(dst, exist_ok=True)
+    meta_file = os.path.join(dst, META_FILE)
+    if os.path.exists(meta_file):
+        os.remove(meta_file)
+    with open(os.path.join(dst, IMAGES_FILE), "wb") as images:
+        for index in range(len(dataset)):
+            image, _ = dataset.load(index)
+            images.write(image.tobytes())
+    np.save(os.path.join(dst, LABELS_FILE), np.array([label for _, label in samples], dtype=np.int64))
+    height, width = image.shape[:2]  # the dataset checked that all images share this size
+    meta = make_meta(count=len(samples), height=height, width=width, num_classes=len(classes))
+    with open(meta_file, "w", encoding="utf-8") as stream:
+        json.dump(meta, stream, indent=2)
+        stream.write("\n")
+    return meta

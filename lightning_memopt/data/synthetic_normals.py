@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 from lightning_memopt.arguments import check_int
 from lightning_memopt.data.checks import check_size_pair
 from lightning_memopt.data.loader_datamodule import LoaderDataModule
-from lightning_memopt.data.normals_sample import normals_sample
+from lightning_memopt.data.normals_folder import normals_sample
 from lightning_memopt.data.raycast import Surface, box, disc, pixel_coordinates, random_rotation, shade, sphere
 from lightning_memopt.data.seeded import SeededDataset, disjoint_ranges
 

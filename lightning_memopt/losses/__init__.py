@@ -2,11 +2,12 @@
 
 from lightning_memopt.losses.margin import CombinedMarginLoss
 from lightning_memopt.losses.partial_fc import PartialFC
-from lightning_memopt.losses.structure_damage import hard_sample_probability, prediction_entropy
 from lightning_memopt.losses.topology import (
     TopologicalAlignmentLoss,
+    hard_sample_probability,
     minimum_spanning_tree,
     pairwise_distances,
+    prediction_entropy,
     topological_alignment_loss,
 )
 

@@ -1,13 +1,18 @@
-"""The memory figures a monitor logs: from the CUDA allocator, or from a tracker off CUDA; the OOM files."""
+"""The memory figures a monitor logs and serves: from the CUDA allocator, or a tracker off CUDA; the OOM files.
+
+The CUDA allocator's peak is shared by callbacks that reset it at different times (:func:`reset_peak`,
+:func:`peak_since_mark`); :class:`PrometheusGauges` serves a few figures over HTTP for Prometheus to scrape.
+"""
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from lightning_memopt.memory.cuda_peak import reset_peak
 from lightning_memopt.memory.report import format_report, write_timeline_chart
 from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.private_api import cuda_memory_snapshot
@@ -80,3 +85,106 @@ def write_oom_files(
     if tracker.timeline and write_timeline_chart(tracker.timeline, chart_path, title):
         written.append(chart_path)
     return written
+
+
+# device index -> the highest peak of allocated bytes folded in since the last mark
+_high_water: dict[int, int] = {}
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def reset_peak(device: torch.device) -> None:
+    """Reset the allocator's peak of ``device``, keeping the peak so far for :func:`peak_since_mark`.
+
+    ``torch.cuda.reset_peak_memory_stats`` resets one counter per device for the whole process: a
+    monitor that resets it after each sample would leave a fit-long reader with the peak since that
+    sample only. This function first folds the peak so far into a
+    per-device high-water mark, and read the fit's peak with :func:`peak_since_mark`.
+
+    Example::
+
+        >>> import torch
+        >>> if torch.cuda.is_available():
+        ...     device = torch.device("cuda")
+        ...     mark_peak(device)
+        ...     reset_peak(device)  # a monitor's window ends: the fit's peak is kept
+        ...     assert peak_since_mark(device) >= 0
+    """
+    index = _index(device)
+    _high_water[index] = max(_high_water.get(index, 0), torch.cuda.max_memory_allocated(device))
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def mark_peak(device: torch.device) -> None:
+    """Start a new window on ``device``: reset the allocator's peak and forget the high-water mark."""
+    _high_water.pop(_index(device), None)
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_since_mark(device: torch.device) -> int:
+    """The highest allocated bytes on ``device`` since :func:`mark_peak`, across every :func:`reset_peak`."""
+    return max(_high_water.get(_index(device), 0), torch.cuda.max_memory_allocated(device))
+
+
+class PrometheusGauges:
+    """An HTTP endpoint with one gauge ``memopt_<name>`` per name, in a registry of its own.
+
+    A gauge appears with its first value: before it, none (rather than a 0 that was never measured).
+    Figures of other names are ignored. :meth:`close` shuts the server down, so the port can be
+    served again in the same process. Needs ``prometheus_client``.
+
+    Args:
+        names: the figures served.
+        address: the interface to listen on (``"127.0.0.1"``: this machine only).
+        port: the TCP port.
+
+    Raises:
+        OSError: when the port cannot be bound (in use, or the address is not this machine's).
+
+    Example::
+
+        >>> import socket, urllib.request
+        >>> with socket.socket() as probe:
+        ...     _ = probe.bind(("127.0.0.1", 0)); port = probe.getsockname()[1]
+        >>> gauges = PrometheusGauges(["peak_allocated_gb"], "127.0.0.1", port)
+        >>> gauges.set({"peak_allocated_gb": 1.5, "unserved": 2.0})
+        >>> body = urllib.request.urlopen(gauges.url, timeout=10).read().decode()
+        >>> [line for line in body.splitlines() if line.startswith("memopt_")]
+        ['memopt_peak_allocated_gb 1.5']
+        >>> gauges.close()
+    """
+
+    def __init__(self, names: Iterable[str], address: str, port: int) -> None:
+        import prometheus_client
+
+        self._registry = prometheus_client.CollectorRegistry()
+        self._gauges: dict[str, Any] = dict.fromkeys(names)
+        server = prometheus_client.start_http_server(port, addr=address, registry=self._registry)
+        # prometheus_client ≥ 0.17 returns (server, thread); older ones nothing, and their server stays up
+        self.server = server if isinstance(server, tuple) else None
+        host = f"[{address}]" if ":" in address else address
+        self.url = f"http://{host}:{port}/metrics"
+
+    def set(self, figures: Mapping[str, float]) -> None:
+        """Set the gauge of each served name in ``figures``."""
+        import prometheus_client
+
+        for name, value in figures.items():
+            if name not in self._gauges:
+                continue
+            gauge = self._gauges[name]
+            if gauge is None:
+                gauge = prometheus_client.Gauge(f"memopt_{name}", f"lightning_memopt {name}", registry=self._registry)
+                self._gauges[name] = gauge
+            gauge.set(value)
+
+    def close(self) -> None:
+        """Shut the server down and free its port."""
+        if self.server is not None:
+            server, thread = self.server
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=10)
+            self.server = None

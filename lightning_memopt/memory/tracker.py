@@ -6,7 +6,7 @@ never run. Storages are counted once (views share them) and leave the count when
 Storages made inside :func:`host_memory` (activations offloaded to the host) are counted apart,
 as ``host_bytes``: they are not device memory.
 
-Over 300 lines because counting, labelling and the peaks share one record table under one lock;
+Over 500 lines because counting, labelling and the peaks share one record table under one lock;
 what is counted lives in ``records.py``, who made it in ``attribution.py``.
 """
 

@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_memopt.checkpointing.lean import LeanRecompute
-from lightning_memopt.models.lean_recompute import (
+from lightning_memopt.models.piecewise_recompute import (
     PieceRule,
     can_chunk,
     check_pieces,
@@ -17,7 +16,7 @@ from lightning_memopt.models.lean_recompute import (
     chunked_conv_norm_act,
     conv_output_shape,
 )
-from lightning_memopt.models.structure import MemoryStructure
+from lightning_memopt.models.structure import LeanRecompute, MemoryStructure
 from lightning_memopt.models.tiled_chain import can_tile, tile_memory, tiled_conv_norm_act_chain
 
 # the input size lean_recompute() prices a block at (it is asked before any input is seen): large enough that
@@ -70,7 +69,7 @@ class ConvNormAct(nn.Sequential):
     def checkpointed_forward(self, x: Tensor) -> Tensor:
         """The forward, keeping only ``x`` for backward, which recomputes one chunk of channels at a time.
 
-        In one chunk, or for a stage :func:`~lightning_memopt.models.lean_recompute.can_chunk` refuses
+        In one chunk, or for a stage :func:`~lightning_memopt.models.piecewise_recompute.can_chunk` refuses
         (grouped conv, running statistics, …), it is checkpointed whole.
         """
         if (chunks := self.chunk_count(x.shape, x.element_size())) > 1:

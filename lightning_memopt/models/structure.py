@@ -13,8 +13,10 @@ A block may also say how to recompute itself leanly: a method ``checkpointed_for
 (it checkpoints its own pieces). Checkpointed in ``"lean"`` mode it then runs instead of the
 plain recomputation (not while compiling, nor for a block holding batch norms that track running
 statistics); ``"full"`` recomputes such a block plainly too. The normal head's stages compute in
-channel chunks and its 1×1 chain over tiles of rows this way (:mod:`~lightning_memopt.models.lean_recompute`,
-:mod:`~lightning_memopt.models.tiled_chain`).
+channel chunks and its 1×1 chain over tiles of rows this way (:mod:`~lightning_memopt.models.piecewise_recompute`,
+:mod:`~lightning_memopt.models.tiled_chain`). Its ``lean_recompute()`` says what the lean path costs next to
+the plain one (a :class:`LeanRecompute`, read by :func:`lean_recompute`); an activation budget's planner weighs
+both (:func:`~lightning_memopt.planner.plan_checkpointing`).
 
 Example::
 
@@ -240,3 +242,51 @@ def set_attention(model: nn.Module, attn_impl: str | Mapping[str, str] | None) -
             switch.set(kernel)
             switched += 1
     return switched
+
+
+@dataclass(frozen=True)
+class LeanRecompute:
+    """What a block's ``checkpointed_forward`` costs next to plain full checkpointing.
+
+    Args:
+        held_fraction: of the bytes the block saves without checkpointing, the most its backward holds
+            again at once (plain checkpointing: 1; ``n`` chunks: about 1/n).
+        forwards: its forward work run again, counted in forwards (plain checkpointing: 1; a tiled
+            chain that recomputes its statistics in several passes: more).
+
+    Example::
+
+        >>> LeanRecompute(held_fraction=1 / 8, forwards=1.0).held_fraction
+        0.125
+    """
+
+    held_fraction: float
+    forwards: float
+
+    @property
+    def cut(self) -> bool:
+        """Whether it differs from plain checkpointing (in one piece, one forward, it is the plain one).
+
+        Example::
+
+            >>> LeanRecompute(held_fraction=1.0, forwards=1.0).cut, LeanRecompute(held_fraction=0.5, forwards=1.0).cut
+            (False, True)
+        """
+        return (self.held_fraction, self.forwards) != (1.0, 1.0)
+
+
+def lean_recompute(module: nn.Module) -> LeanRecompute | None:
+    """The cost ``module``'s own ``checkpointed_forward`` declares, or None (it has none: plain checkpointing).
+
+    Example::
+
+        >>> lean_recompute(nn.Linear(2, 2)) is None
+        True
+    """
+    declared = getattr(module, "lean_recompute", None)
+    if not callable(getattr(module, "checkpointed_forward", None)) or not callable(declared):
+        return None
+    cost = declared()
+    if not isinstance(cost, LeanRecompute):
+        raise TypeError(f"{type(module).__name__}.lean_recompute() must return a LeanRecompute, got {cost!r}")
+    return cost

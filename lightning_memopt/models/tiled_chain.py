@@ -25,9 +25,6 @@ from the stored ``g``, adds up the weight gradient and writes the next stage's `
 stage: the input gradient) in its place. With ``K`` stages that is ``K + K(K + 1)/2`` conv forwards
 and ``2K`` conv gradient products in backward, against ``K`` and ``2K`` for plain checkpointing.
 Only the activation's derivative goes through autograd, one call per tile and pass.
-
-Over 300 lines because the forward and backward passes are one algorithm over one state (the tiles,
-the weights in the compute dtype, the statistics): split in two, each half would reach into the other's.
 """
 
 from __future__ import annotations
@@ -41,7 +38,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from lightning_memopt.models.lean_recompute import Stage, check_pieces, elementwise_activation, input_statistics_norm
+from lightning_memopt.models.piecewise_recompute import (
+    Stage,
+    check_pieces,
+    elementwise_activation,
+    input_statistics_norm,
+)
 
 # tile-sized tensors (of the widest stage) that one tile of the backward holds at once: the stage input,
 # its pre-activation (kept for the activation's derivative) and its centred conv output, the next

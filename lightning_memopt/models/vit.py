@@ -4,9 +4,6 @@ Patch embedding conv (kernel = stride = patch size, padding 2), a learned positi
 pre-training grid resized at forward time to the actual token grid (or moved to one grid for good
 with ``set_position_grid``), pre-norm blocks with qkv bias and stochastic depth, a final LayerNorm,
 and the tokens reshaped to ``[B, C, H/p, W/p]``. There is no class token.
-
-Over 300 lines because the blocks and the backbone built from them are one architecture, read top to bottom,
-and ``lightning_memopt.models.vit.ViTBlock`` is the documented class path of its checkpointing unit.
 """
 
 from __future__ import annotations

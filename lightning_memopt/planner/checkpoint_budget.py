@@ -2,7 +2,7 @@
 
 One fake-mode profile of a training step prices every block's options; the checkpointing frontier
 (:mod:`~lightning_memopt.planner.frontier`) picks. ``ActivationCheckpointing({"budget": b})`` runs it
-in a fit. A block with a lean recomputation of its own (:mod:`~lightning_memopt.checkpointing.lean`)
+in a fit. A block with a lean recomputation of its own (:class:`~lightning_memopt.models.structure.LeanRecompute`)
 is weighed both ways: ``"full"`` (plain, one forward again) and ``"lean"`` (less held again, more work).
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memopt.checkpointing.lean import LeanRecompute, lean_recompute
 from lightning_memopt.checkpointing.policy import BlocksSpec, Policy, check_blocks, check_budget
 from lightning_memopt.memory.profile import LossFn, OptimizerSource, profile_step
 from lightning_memopt.memory.step_parts import is_lightning_module
+from lightning_memopt.models.structure import LeanRecompute, lean_recompute
 from lightning_memopt.planner.calibration import measure_cpu
 from lightning_memopt.planner.frontier import ActivationPeaks, Frontier, block_options
 from lightning_memopt.planner.hardware import Hardware, cuda_hardware

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from lightning_memopt.arguments import check_int
+from lightning_memopt.memory.allocator import is_oom_error
 from lightning_memopt.memory.compiled_step import CompiledStepPeak, predict_compiled_step
-from lightning_memopt.memory.oom import is_oom_error
 from lightning_memopt.memory.profile import LossFn, OptimizerSource
 from lightning_memopt.memory.step_parts import training_step_fn
 from lightning_memopt.planner.knobs import Knobs

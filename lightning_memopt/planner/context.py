@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from torch import nn
 
-from lightning_memopt.accumulation.split import batch_size, slice_batch
+from lightning_memopt.batch_slicing import batch_size, slice_batch
 from lightning_memopt.checkpointing import LeanRecompute, apply_activation_checkpointing
 from lightning_memopt.memory.profile import LossFn, MemoryProfile, OptimizerSource, profile_step
 from lightning_memopt.memory.step_parts import quiet_logger

@@ -11,9 +11,6 @@ counted in steps of 1/:data:`RESOLUTION` of what all blocks can free at most, ro
 freed, so a set found always meets its target. PyTorch's min-cut partitioner solves the same kind
 of knapsack over the ops of a compiled graph (``activation_memory_budget``); this one acts on eager
 models, at the granularity of their blocks.
-
-Over 300 lines because the options' prices and the knapsack over them are one idea: what an option
-carries (bytes freed, held again, an offloaded output, a last resort) is what the knapsack weighs.
 """
 
 from __future__ import annotations
@@ -24,9 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lightning_memopt.checkpointing.lean import LeanRecompute
 from lightning_memopt.memory.profile import MemoryProfile
 from lightning_memopt.memory.work import Work
+from lightning_memopt.models.structure import LeanRecompute
 from lightning_memopt.planner.cost import step_cost, unhidden_offloads
 from lightning_memopt.planner.estimate import STEP_MOMENTS, StepEstimate, freed_bytes, held_bytes, recomputed_work
 from lightning_memopt.planner.hardware import Hardware

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from lightning_memopt.accumulation.split import batch_size
+from lightning_memopt.batch_slicing import batch_size
 from lightning_memopt.memory.profile import MemoryProfile
 from lightning_memopt.memory.tracker import CATEGORIES
 from lightning_memopt.memory.work import Work

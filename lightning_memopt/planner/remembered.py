@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memopt.__about__ import __version__
 from lightning_memopt.cache import cache_folder
 from lightning_memopt.planner.calibration import machine_key
 from lightning_memopt.planner.knobs import Knobs
@@ -42,8 +43,6 @@ _KEPT = (MEASURED, OVER_BUDGET, OUT_OF_MEMORY)  # an untried candidate is not re
 def trial_key(model: nn.Module, batch: Any, device: torch.device, devices: int = 1) -> str:
     """What a trial's outcome depends on, hashed: the model's structure, the batch's shapes, the device and the
     versions (module docstring)."""
-    from lightning_memopt import __version__
-
     parts: list[Any] = [torch.__version__, __version__, _device_name(device), devices]
     parts += [(name, type(module).__qualname__) for name, module in model.named_modules()]
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:

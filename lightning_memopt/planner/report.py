@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_memopt.memory.chart import chart
+from lightning_memopt.memory.report import chart
 from lightning_memopt.planner.cost import StepCost
 from lightning_memopt.planner.estimate import StepEstimate
 from lightning_memopt.planner.hardware import Hardware

@@ -10,8 +10,6 @@ each shard degree considered and with CPU offload, one rank's memory and traffic
 unsharded step (:mod:`~lightning_memopt.planner.sharding`). This module checks the arguments
 (``_checked_arguments``) and lays out the search (``_search_space``, :mod:`~lightning_memopt.planner.space`,
 :mod:`~lightning_memopt.planner.context`).
-
-Over 300 lines because plan()'s seventeen arguments are checked here, beside the search space they lay out.
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memopt.accumulation.split import batch_size
 from lightning_memopt.arguments import check_bool, check_int, check_optional_bool
+from lightning_memopt.batch_slicing import batch_size
 from lightning_memopt.checkpointing import Policy, check_blocks
 from lightning_memopt.memory.profile import LossFn, OptimizerSource
 from lightning_memopt.models.structure import model_structure

@@ -8,9 +8,6 @@ elsewhere the :class:`~lightning_memopt.memory.MemoryTracker`'s) and ``steps`` m
 Nothing of the run changes: the copy is thrown away and every random number generator is set back. An
 out-of-memory error ends that trial alone; the candidates predicted to need as much or more are not tried.
 
-Over 300 lines because which candidates to try, the loop trying them (its rules for out-of-memory errors, time,
-ranks and the run-off) and the trial itself are the parts of one measurement.
-
 Example::
 
     >>> import torch
@@ -34,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memopt.accumulation.split import batch_size, slice_batch
+from lightning_memopt.batch_slicing import batch_size, slice_batch
 from lightning_memopt.checkpointing import apply_activation_checkpointing
 from lightning_memopt.memory.compiled import uncompiled_copy
 from lightning_memopt.memory.profile import LossFn, OptimizerSource
@@ -48,7 +45,7 @@ from lightning_memopt.memory.tracker import MemoryTracker
 from lightning_memopt.models.structure import set_attention
 from lightning_memopt.planner.report import Candidate
 from lightning_memopt.private_api import activation_memory_budget, attached_trainer, disable_current_modes, tree_map
-from lightning_memopt.random_state import random_state_kept
+from lightning_memopt.random_generators import random_state_kept
 
 MEASURED, OUT_OF_MEMORY, OVER_BUDGET = "measured", "out of memory", "over the budget"
 _HALF = {"bf16": torch.bfloat16, "16": torch.float16}

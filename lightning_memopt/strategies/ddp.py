@@ -15,8 +15,8 @@ from typing_extensions import override
 
 from lightning_memopt.arguments import check_bool, check_optional_bool
 from lightning_memopt.checkpointing import checkpoint_mode
+from lightning_memopt.distributed import destroy_process_groups_at_exit
 from lightning_memopt.strategies.comm_hooks import COMM_HOOKS, CommHookName, check_powersgd_options, comm_hook
-from lightning_memopt.strategies.process_groups import destroy_process_groups_at_exit
 
 POWERSGD_KEY = "memopt_powersgd"  # checkpoint entry: one PowerSGD state per rank
 

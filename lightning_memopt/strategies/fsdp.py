@@ -18,8 +18,8 @@ from typing_extensions import override
 
 from lightning_memopt.arguments import check_bool
 from lightning_memopt.checkpointing.policy import BlocksSpec, check_blocks
+from lightning_memopt.distributed import destroy_process_groups_at_exit
 from lightning_memopt.private_api import materialize_distributed_module, optimizers_to_device
-from lightning_memopt.strategies.process_groups import destroy_process_groups_at_exit
 from lightning_memopt.strategies.sharding import ShardingError, shard_model
 
 PARAM_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -21,7 +21,7 @@ from lightning_memopt.arguments import (
     check_path,
 )
 from lightning_memopt.losses.topology import VARIANTS
-from lightning_memopt.tasks.lr_schedule import check_schedule
+from lightning_memopt.tasks.common import check_schedule
 
 
 def check_pretrained(

@@ -31,8 +31,14 @@ from lightning_memopt.tasks.checks import (
     check_options,
     check_topology_options,
 )
-from lightning_memopt.tasks.common import PRETRAINED_ARGUMENTS, adamw, build_network, with_step_schedule
-from lightning_memopt.tasks.lr_schedule import ScheduleName, clip_sharded_root
+from lightning_memopt.tasks.common import (
+    PRETRAINED_ARGUMENTS,
+    ScheduleName,
+    adamw,
+    build_network,
+    clip_sharded_root,
+    with_step_schedule,
+)
 
 OPTIMIZERS = ("sgd", "adamw")
 OptimizerName = Literal["sgd", "adamw"]  # == OPTIMIZERS

@@ -3,7 +3,7 @@
 The loss and the metrics compare at the label resolution: the head's raw prediction is upsampled
 bilinearly to the size of the ground-truth normal map, then normalised to unit length
 (:mod:`lightning_memopt.tasks.normals`); the optimizer decays the learning rate layer by layer
-(:mod:`lightning_memopt.tasks.layer_decay`).
+(:mod:`lightning_memopt.tasks.common`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,15 @@ from typing_extensions import override
 from lightning_memopt.arguments import check_float
 from lightning_memopt.models import VisionTransformer
 from lightning_memopt.tasks.checks import check_betas, check_network, check_optimisation
-from lightning_memopt.tasks.common import PRETRAINED_ARGUMENTS, adamw, build_network, with_step_schedule
-from lightning_memopt.tasks.layer_decay import layer_decay_param_groups
-from lightning_memopt.tasks.lr_schedule import ScheduleName, clip_sharded_root
+from lightning_memopt.tasks.common import (
+    PRETRAINED_ARGUMENTS,
+    ScheduleName,
+    adamw,
+    build_network,
+    clip_sharded_root,
+    layer_decay_param_groups,
+    with_step_schedule,
+)
 from lightning_memopt.tasks.normals import (
     ANGLE_THRESHOLDS,
     AngularError,

@@ -20,8 +20,7 @@ from typing_extensions import override
 from lightning_memopt.arguments import check_float
 from lightning_memopt.models import TrackerOutput
 from lightning_memopt.tasks.checks import check_betas, check_network, check_optimisation
-from lightning_memopt.tasks.common import PRETRAINED_ARGUMENTS, adamw, build_network, with_step_schedule
-from lightning_memopt.tasks.lr_schedule import ScheduleName
+from lightning_memopt.tasks.common import PRETRAINED_ARGUMENTS, ScheduleName, adamw, build_network, with_step_schedule
 from lightning_memopt.tasks.tracking_losses import (
     DELTA_THRESHOLDS,
     METRIC_RESOLUTION,

@@ -193,7 +193,7 @@ def test_a_redone_piece_draws_what_the_whole_batch_would_have(limits):
 
 
 def test_without_the_generators_put_back_a_redone_piece_draws_other_masks(monkeypatch):
-    monkeypatch.setattr("lightning_memopt.accumulation.micro_batch.restore_random_state", lambda state: None)
+    monkeypatch.setattr("lightning_memopt.accumulation.runner.restore_random_state", lambda state: None)
     whole = DropoutNet()
     torch.manual_seed(5)
     loss_fn(whole)(BATCH).backward()

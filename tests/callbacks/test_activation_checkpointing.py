@@ -134,7 +134,7 @@ def test_non_module_spec_is_refused():
 
 
 def test_after_configure_model_refuses_what_it_cannot_run():
-    from lightning_memopt.callbacks.model_setup import after_configure_model
+    from lightning_memopt.callbacks.module_hooks import after_configure_model
 
     with pytest.raises(TypeError, match=r"`pl_module` must be a LightningModule, got Linear"):
         after_configure_model(nn.Linear(2, 2), lambda: None)

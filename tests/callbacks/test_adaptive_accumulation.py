@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-import lightning_memopt.accumulation.recovery as recovery_module
+import lightning_memopt.accumulation.training as recovery_module
 from lightning_memopt import AdaptiveAccumulation, PrecisionSwitch
 from lightning_memopt.accumulation import MicroBatchSizeError, RanksOutOfStepError, SampleOutOfMemoryError
 from lightning_memopt.memory import MemoryTracker, SimulatedDevice

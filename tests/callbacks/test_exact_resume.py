@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 from lightning_memopt.callbacks import LastCheckpoint, RandomStateCheckpoint
 from lightning_memopt.data import SyntheticFaceDataModule
 from lightning_memopt.data.resumable import ResumableDataLoader
-from lightning_memopt.random_state import capture_random_state, restore_random_state
+from lightning_memopt.random_generators import capture_random_state, restore_random_state
 from lightning_memopt.tasks import FaceRecognitionModule
 from tests.callbacks.interrupting import CtrlCAfterStep
 from tests.helpers import REPO_ROOT, run_memopt_train, run_script

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import Logger
 
 from lightning_memopt import MemoryBudget, MemoryMonitor, TrainingSummary
 from lightning_memopt.data import SyntheticFaceDataModule, SyntheticNormalsDataModule, SyntheticTrackingDataModule
-from lightning_memopt.random_state import capture_random_state
+from lightning_memopt.random_generators import capture_random_state
 from lightning_memopt.tasks import FaceRecognitionModule, NormalEstimationModule, TrackingModule
 from tests.helpers import quiet_trainer
 

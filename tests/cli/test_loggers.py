@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_memopt.cli.loggers import finish_logger_runs
+from lightning_memopt.cli.config import finish_logger_runs
 from lightning_memopt.cli.train import train
 from tests.helpers import TINY_FACE
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hydra.errors import MissingConfigException
 
-from lightning_memopt.cli.override_errors import _missing_option, config_error
+from lightning_memopt.cli.errors import _missing_option, config_error
 from tests.helpers import TINY_FACE, run_memopt_train
 
 

@@ -22,7 +22,7 @@ HYDRA_APPS = {
     "memopt-plan": ("lightning_memopt.cli.plan", "memopt-plan model=r1", "model=r18"),
     "memopt-profile": ("lightning_memopt.cli.profile", "memopt-profile profile.m", "profile.mode="),
 }
-ARGPARSE_APPS = {"memopt-export": "lightning_memopt.cli.export", "memopt-pack-faces": "lightning_memopt.data.pack"}
+ARGPARSE_APPS = {"memopt-export": "lightning_memopt.cli.export", "memopt-pack-faces": "lightning_memopt.cli.pack_faces"}
 
 # Runs an app's entry point as its console script does, then prints the heavy modules it left in sys.modules.
 _RUN_APP = """
@@ -58,7 +58,7 @@ def imported_heavy(statement: str, cwd: Path) -> list[str]:
         "lightning_memopt.cli.errors",
         *(module for module, _, _ in HYDRA_APPS.values()),
         "lightning_memopt.cli.export",
-        "lightning_memopt.data.pack",
+        "lightning_memopt.cli.pack_faces",
     ],
 )
 def test_importing_an_app_module_imports_neither_torch_nor_lightning(module, tmp_path):

@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from lightning_memopt.data import NormalsFolderDataModule
-from lightning_memopt.data.normals_folder import NormalsFolderDataset, scan_normals_folder
-from lightning_memopt.data.normals_sample import IMAGE_MEAN, IMAGE_STD
+from lightning_memopt.data.normals_folder import IMAGE_MEAN, IMAGE_STD, NormalsFolderDataset, scan_normals_folder
 from tests.helpers import unit_normals, write_normals_sample
 
 

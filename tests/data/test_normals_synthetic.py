@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_memopt.data import LoaderDataModule, SyntheticNormalsDataModule
-from lightning_memopt.data.normals_sample import IMAGE_MEAN, IMAGE_STD
+from lightning_memopt.data.normals_folder import IMAGE_MEAN, IMAGE_STD
 from lightning_memopt.data.raycast import box, disc, pixel_coordinates, random_rotation, shade, sphere
 from lightning_memopt.data.synthetic_normals import SyntheticNormalsDataset, render_scene
 

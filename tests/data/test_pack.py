@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from lightning_memopt.cli.pack_faces import main
 from lightning_memopt.data import pack_image_folder
-from lightning_memopt.data.pack import main
 from tests.helpers import write_face_folder
 
 

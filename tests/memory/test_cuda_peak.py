@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_memopt.memory import cuda_peak
+from lightning_memopt.memory import figures
 
 
 class FakeAllocator:
@@ -27,40 +27,40 @@ def allocator(monkeypatch):
     fake = FakeAllocator()
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", fake.max_memory_allocated)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak_memory_stats)
-    monkeypatch.setattr(cuda_peak, "_high_water", {})
+    monkeypatch.setattr(figures, "_high_water", {})
     return fake
 
 
 def test_the_fit_peak_survives_the_monitors_resets(allocator):
     device = torch.device("cuda", 0)
-    cuda_peak.mark_peak(device)
+    figures.mark_peak(device)
     allocator.allocate(700)
-    cuda_peak.reset_peak(device)  # the monitor's sample ends its window
+    figures.reset_peak(device)  # the monitor's sample ends its window
     allocator.allocate(300)
     assert torch.cuda.max_memory_allocated(device) == 300  # what a plain read would have reported
-    assert cuda_peak.peak_since_mark(device) == 700
-    cuda_peak.reset_peak(device)
+    assert figures.peak_since_mark(device) == 700
+    figures.reset_peak(device)
     allocator.allocate(900)
-    assert cuda_peak.peak_since_mark(device) == 900
+    assert figures.peak_since_mark(device) == 900
 
 
 def test_a_new_mark_forgets_the_previous_fit(allocator):
     device = torch.device("cuda", 1)
     allocator.allocate(800, index=1)
-    cuda_peak.reset_peak(device)
-    cuda_peak.mark_peak(device)  # the next fit starts
+    figures.reset_peak(device)
+    figures.mark_peak(device)  # the next fit starts
     allocator.allocate(100, index=1)
-    assert cuda_peak.peak_since_mark(device) == 100
-    assert cuda_peak.peak_since_mark(torch.device("cuda", 0)) == 0  # devices are kept apart
+    assert figures.peak_since_mark(device) == 100
+    assert figures.peak_since_mark(torch.device("cuda", 0)) == 0  # devices are kept apart
 
 
 @pytest.mark.cuda
 def test_on_a_gpu_the_peak_of_a_freed_tensor_is_kept_across_a_reset():
     device = torch.device("cuda")
-    cuda_peak.mark_peak(device)
+    figures.mark_peak(device)
     baseline = torch.cuda.memory_allocated(device)
     block = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
     del block
-    cuda_peak.reset_peak(device)
-    assert cuda_peak.peak_since_mark(device) >= baseline + 64 * 2**20
+    figures.reset_peak(device)
+    assert figures.peak_since_mark(device) >= baseline + 64 * 2**20
     assert torch.cuda.max_memory_allocated(device) < baseline + 64 * 2**20

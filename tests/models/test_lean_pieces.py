@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from lightning_memopt.checkpointing import apply_activation_checkpointing
-from lightning_memopt.checkpointing.lean import LeanRecompute
 from lightning_memopt.memory import profile_step
-from lightning_memopt.models.lean_recompute import PieceRule, check_pieces, chunked_conv_norm_act
 from lightning_memopt.models.normal_head import ConvNormAct, ConvNormActChain, NormalHead
+from lightning_memopt.models.piecewise_recompute import PieceRule, check_pieces, chunked_conv_norm_act
+from lightning_memopt.models.structure import LeanRecompute
 from lightning_memopt.models.tiled_chain import TILE_TENSORS, tile_memory, tiled_conv_norm_act_chain
 
 # the tiled chain sums over tiles and passes: within fp32 rounding of the plain module (as test_lean_recompute.py)

@@ -7,7 +7,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_memopt.data.samplers import ShardedEvaluationSampler, evaluation_sampler
+from lightning_memopt.data.loader_datamodule import ShardedEvaluationSampler, evaluation_sampler
 from lightning_memopt.strategies import MemoptDDPStrategy, comm_hook
 from lightning_memopt.strategies.powersgd_state import ResumablePowerSGD
 from tests.helpers import run_script
@@ -171,10 +171,10 @@ def test_powersgd_pieces_are_each_parameters_factors_with_interleaved_shapes(tmp
 
 
 def test_evaluation_sampler_leaves_a_set_smaller_than_the_world_to_lightning(tmp_path, monkeypatch):
-    from lightning_memopt.data import samplers
+    from lightning_memopt.data import loader_datamodule
 
-    monkeypatch.setattr(samplers.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(samplers.dist, "get_world_size", lambda group=None: 4)
-    monkeypatch.setattr(samplers.dist, "get_rank", lambda group=None: 1)
-    assert samplers.evaluation_sampler(range(3)) is None  # a rank would get no batch
-    assert list(samplers.evaluation_sampler(range(9))) == [1, 5]
+    monkeypatch.setattr(loader_datamodule.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(loader_datamodule.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(loader_datamodule.dist, "get_rank", lambda group=None: 1)
+    assert loader_datamodule.evaluation_sampler(range(3)) is None  # a rank would get no batch
+    assert list(loader_datamodule.evaluation_sampler(range(9))) == [1, 5]

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from lightning_memopt.tasks.lr_schedule import warmup_decay
+from lightning_memopt.tasks.common import warmup_decay
 
 
 def test_linear_warmup_then_polynomial_decay_to_zero():

@@ -15,7 +15,7 @@ from lightning_memopt.cli.train import train
 from lightning_memopt.data.synthetic_normals import SyntheticNormalsDataset
 from lightning_memopt.models import create_model, to_official_state_dict
 from lightning_memopt.tasks import NormalEstimationModule
-from lightning_memopt.tasks.layer_decay import layer_decay_param_groups
+from lightning_memopt.tasks.common import layer_decay_param_groups
 from lightning_memopt.tasks.normals import AngularError, angular_error_degrees, normal_loss, resize_normals
 from tests.helpers import TINY_NORMALS, quiet_trainer
 

@@ -6,9 +6,6 @@ knows the official-only tensors: fixed buffers the official model computes (rege
 checked on import) and tensors that are legitimately not part of our model (a pre-training decoder,
 a class token), each dropped with its reason. Anything else unmatched, on either side, is an error
 that lists the keys: a conversion never silently loads half a model.
-
-Over 300 lines because a layout's hooks and the two conversions that call them are one contract, read
-together, and both are imported from here (``official/__init__.py``, ``memopt-export``, the family layouts).
 """
 
 from __future__ import annotations

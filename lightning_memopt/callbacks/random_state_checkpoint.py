@@ -9,7 +9,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_memopt.random_state import capture_random_state, restore_random_state
+from lightning_memopt.random_generators import capture_random_state, restore_random_state
 
 
 class RandomStateCheckpoint(Callback):

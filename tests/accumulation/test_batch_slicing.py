@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import lightning_memopt.accumulation.split as split_module
+import lightning_memopt.batch_slicing as batch_slicing
 from lightning_memopt.accumulation import BatchSplitError, batch_size, merge_outputs, register_batch_type, slice_batch
 
 Pair = namedtuple("Pair", ["image", "label"])
@@ -72,7 +72,7 @@ def test_custom_batch_type():
         assert batch_size({"clip": clip}) == 6
         assert slice_batch({"clip": clip}, 1, 3)["clip"].frames.tolist() == [[1.0, 2.0], [7.0, 8.0]]
     finally:
-        split_module._CUSTOM.pop(Clip)
+        batch_slicing._CUSTOM.pop(Clip)
     with pytest.raises(TypeError, match="must be a type"):
         register_batch_type("Clip", size=len, slice=lambda c, a, b: c)
     with pytest.raises(TypeError, match="`slice`=None must be a function"):

@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_memopt.accumulation.schedule import AccumulationSchedule
+from lightning_memopt.callbacks.accumulation_scheduler import AccumulationSchedule
 
 
 def test_counts_by_optimizer_step():

@@ -3,7 +3,8 @@
 The functional core of :class:`~lightning_memopt.AdaptiveAccumulation`: the callback decides when
 (it wraps ``training_step``, zeroes the gradients, hands them to Lightning's backward); this does the
 work for one batch: the micro-batch size the run has reached, the smallest the model takes, the
-recovery, and the shrink before a thrashing allocator fails.
+recovery, and the shrink before a thrashing allocator fails. :func:`deliver` then hands the accumulated
+gradients to the loop's own backward pass.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memopt.accumulation import messages
+from lightning_memopt.accumulation.errors import log_info, log_warning
 from lightning_memopt.accumulation.lockstep import TRAINING_STEP, Lockstep
-from lightning_memopt.accumulation.micro_batch import Agree, MicroBatchResult, MicroBatchRunner, check_loss_reduction
-from lightning_memopt.accumulation.min_size import batch_norms, update_min_size
-from lightning_memopt.accumulation.sizing import MicroBatchSizer
-from lightning_memopt.accumulation.split import batch_size_or_none
+from lightning_memopt.accumulation.runner import Agree, MicroBatchResult, MicroBatchRunner, check_loss_reduction
+from lightning_memopt.accumulation.sizing import MicroBatchSizer, batch_norms, update_min_size
+from lightning_memopt.batch_slicing import batch_size_or_none, with_loss
 from lightning_memopt.memory.allocator import allocator_retries
 from lightning_memopt.private_api import is_batch_norm
 
@@ -129,7 +129,7 @@ class TrainingRecovery:
             step: ``step(micro_batch) -> loss`` (or a mapping with ``"loss"``).
             batch: the whole batch (a batch that cannot be split runs whole).
             global_step: the optimizer step it belongs to (when the size grows back, what a message says).
-            backward: ``backward(weighted_loss)`` (see :func:`~lightning_memopt.accumulation.delivery.scaled_backward`).
+            backward: ``backward(weighted_loss)`` (see :func:`~lightning_memopt.accumulation.training.scaled_backward`).
             weight: a factor on every loss (``1 / accumulate_grad_batches``).
 
         Raises:
@@ -158,13 +158,13 @@ class TrainingRecovery:
             self._allocator_retries = allocator_retries(self._device)  # the OOM's own retries
             self._warn_batch_coupling(result.micro_batch_size, total)
             cause = f" ({result.oom_errors[0][:160]})" if result.oom_errors else " on another rank"
-            messages.info(
+            log_info(
                 f"AdaptiveAccumulation: out of memory at step {global_step} with micro-batches of {size}{cause}; "
                 f"the batch of {total} ran in micro-batches of {result.micro_batch_size} ({len(result.sizes)} on "
                 "this rank) and the optimizer step is unchanged"
             )
         elif self.sizer.allocator_retried(bool(result.flags[0]), global_step, total):
-            messages.info(
+            log_info(
                 f"AdaptiveAccumulation: the CUDA allocator retried in {self.sizer.thrash_steps} batches in a row; "
                 f"micro-batches of {self.sizer.size} from step {global_step}, before it runs out of memory"
             )
@@ -241,4 +241,77 @@ class TrainingRecovery:
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
             self._warned.add(what)
-            messages.warn(message)
+            log_warning(message)
+
+
+class _DeliverGradients(torch.autograd.Function):
+    """Forward: the batch's loss, detached. Backward: the gradients the micro-batches accumulated.
+
+    Lightning's own backward on this output hands every parameter its gradient. That lets DDP's
+    reducer all-reduce it once per step, and it runs the backward hooks once per batch. Under
+    FSDP each micro-batch's backward has reduce-scattered its gradients already: the sharded
+    gradients (DTensors) are handed back as they are. The gradients already carry the loss
+    weights and the gradient scaler's scale, so the incoming gradient (``scale /
+    accumulate_grad_batches``) is not applied to them again.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, gradients: list[torch.Tensor], *parameters: torch.Tensor) -> torch.Tensor:
+        ctx.gradients = gradients
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        gradients, ctx.gradients = ctx.gradients, None  # let autograd move them into .grad without a copy
+        result = (None, None, *gradients)
+        gradients.clear()
+        return result
+
+
+def deliver(module: nn.Module, result: MicroBatchResult) -> Any:
+    """The step's output, its loss carrying ``module``'s accumulated gradients to the loop's backward.
+
+    The gradients leave ``.grad`` (the loop's ``zero_grad`` before its backward finds nothing to
+    clear) and come back when the returned loss is back-propagated, with any incoming gradient ignored.
+
+    Example::
+
+        >>> from lightning_memopt.accumulation import MicroBatchRunner
+        >>> model = torch.nn.Linear(3, 1)
+        >>> result = MicroBatchRunner(model).run(lambda x: model(x).mean(), torch.ones(4, 3), 2,
+        ...                                      backward=torch.Tensor.backward)
+        >>> output = deliver(model, result)
+        >>> model.bias.grad is None
+        True
+        >>> output.backward(torch.tensor(0.5))  # the loop's backward, its scale already applied
+        >>> model.bias.grad  # the whole batch's mean, the incoming 0.5 not applied again
+        tensor([1.])
+    """
+    if result.loss is None:
+        return result.output
+    parameters = [p for p in module.parameters() if p.requires_grad and p.grad is not None]
+    gradients = [p.grad for p in parameters]
+    for parameter in parameters:
+        parameter.grad = None  # Lightning's zero_grad, which runs before its backward, finds nothing to clear
+    return with_loss(result.output, _DeliverGradients.apply(result.loss, gradients, *parameters))
+
+
+def scaled_backward(backward: Callable[[torch.Tensor], None], scaler: Any = None) -> Callable[[torch.Tensor], None]:
+    """``backward`` of each micro-batch's loss, scaled by the gradient ``scaler`` (if any), outside autocast.
+
+    As Lightning runs its backward: outside the training step's autocast, through the module's
+    ``backward`` hook (pass ``pl_module.backward``; ``torch.Tensor.backward`` for a plain module).
+
+    Example::
+
+        >>> weight = torch.ones(2, requires_grad=True)
+        >>> scaled_backward(torch.Tensor.backward)((weight * 3).sum())
+        >>> weight.grad
+        tensor([3., 3.])
+    """
+
+    def run(loss: torch.Tensor) -> None:
+        with torch.autocast(loss.device.type, enabled=False):
+            backward(scaler.scale(loss) if scaler is not None else loss)
+
+    return run

@@ -1,14 +1,15 @@
 """MicroBatchRunner: run one batch in micro-batches, and recover from out-of-memory by splitting it further.
 
-Its helpers are apart: how a batch is cut (:mod:`.pieces`), which samples each gradient holds
-(:mod:`.coverage`), the smallest size a model takes (:mod:`.min_size`), what a failed batch raises
-(:mod:`.errors`) and ranks in lockstep (:mod:`.lockstep`). Over 300 lines because what is left is one
-algorithm (cut, run, retry smaller, agree with the other ranks) sharing the state of one run.
+One algorithm (cut, run, retry smaller, agree with the other ranks) sharing the state of one run, with the
+record of which samples each parameter's gradient already holds (:class:`GradientCoverage`). How a batch is
+cut and the smallest size a model takes are in :mod:`.sizing`, what a failed batch raises in :mod:`.errors`,
+ranks in lockstep in :mod:`.lockstep`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -16,22 +17,12 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from lightning_memopt.accumulation.coverage import GradientCoverage
 from lightning_memopt.accumulation.errors import OOM, SIZE, Failure, count_samples, failure_error, shorten
 from lightning_memopt.accumulation.lockstep import check_same_pieces
-from lightning_memopt.accumulation.min_size import check_min_size
-from lightning_memopt.accumulation.pieces import next_piece, redo_size
-from lightning_memopt.accumulation.sizing import Shrink, halve
-from lightning_memopt.accumulation.split import (
-    BatchSplitError,
-    batch_size,
-    loss_of,
-    merge_outputs,
-    slice_batch,
-    with_loss,
-)
-from lightning_memopt.memory.oom import is_oom_error, release_memory
-from lightning_memopt.random_state import capture_random_state, restore_random_state
+from lightning_memopt.accumulation.sizing import Shrink, check_min_size, halve, next_piece, redo_size
+from lightning_memopt.batch_slicing import BatchSplitError, batch_size, loss_of, merge_outputs, slice_batch, with_loss
+from lightning_memopt.memory.allocator import is_oom_error, release_memory
+from lightning_memopt.random_generators import capture_random_state, restore_random_state
 
 LOSS_REDUCTIONS = ("mean", "sum")
 LossReduction = Literal["mean", "sum"]  # == LOSS_REDUCTIONS
@@ -347,3 +338,57 @@ def _piece(run: _Run, start: int, stop: int) -> Any:
     if run.unsplittable is not None or (start, stop) == (0, run.total):
         return run.batch
     return slice_batch(run.batch, start, stop)
+
+
+class GradientCoverage:
+    """Track which samples each parameter's gradient holds, while the context is open.
+
+    Args:
+        parameters: the parameters that take gradients.
+
+    Example::
+
+        >>> layer = nn.Linear(2, 1)
+        >>> with GradientCoverage(list(layer.parameters())) as coverage:
+        ...     for _ in range(2):  # the same samples twice: the second adds nothing
+        ...         with coverage.piece(3):
+        ...             layer(torch.ones(3, 2)).sum().backward()
+        >>> layer.bias.grad, coverage.covered
+        (tensor([3.]), [3, 3])
+    """
+
+    def __init__(self, parameters: list[nn.Parameter]) -> None:
+        self.parameters = parameters
+        self.covered = [0] * len(parameters)  # per parameter: its gradient holds samples [0, covered)
+        self._end = 0  # the end of the piece running now
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> GradientCoverage:
+        self._handles = [p.register_post_accumulate_grad_hook(self._landed(i)) for i, p in enumerate(self.parameters)]
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @contextlib.contextmanager
+    def piece(self, stop: int) -> Iterator[None]:
+        """Run the piece that ends at sample ``stop``: parameters already holding it take a zero gradient."""
+        done = [p.register_hook(_no_gradient) for i, p in enumerate(self.parameters) if self.covered[i] >= stop]
+        self._end = stop
+        try:
+            yield
+        finally:
+            for handle in done:
+                handle.remove()
+
+    def _landed(self, index: int) -> Callable[[torch.Tensor], None]:
+        def landed(parameter: torch.Tensor) -> None:
+            self.covered[index] = max(self.covered[index], self._end)  # a skipped (zero) gradient also lands here
+
+        return landed
+
+
+def _no_gradient(grad: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)

@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_memopt.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_memopt.memory import profile_step
 from lightning_memopt.models import create_model
-from lightning_memopt.models.lean_recompute import can_chunk
 from lightning_memopt.models.normal_head import ConvNormAct, ConvNormActChain, NormalHead
+from lightning_memopt.models.piecewise_recompute import can_chunk
 from lightning_memopt.models.tiled_chain import can_tile, row_tiles, tiled_conv_norm_act_chain
 
 
