@@ -1,14 +1,13 @@
-"""Lightning callbacks, one per file, each thin over the functional layer."""
+"""Lightning callbacks, each thin over the functional layer."""
 
 from lightning_memopt.callbacks.accumulation_scheduler import AccumulationSchedule, StepAccumulationScheduler
 from lightning_memopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memopt.callbacks.adaptive_accumulation import AdaptiveAccumulation
 from lightning_memopt.callbacks.compiled_step import CompiledStep
-from lightning_memopt.callbacks.last_checkpoint import LastCheckpoint
 from lightning_memopt.callbacks.memory_budget import MemoryBudget
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
 from lightning_memopt.callbacks.precision_switch import PrecisionSwitch
-from lightning_memopt.callbacks.random_state_checkpoint import RandomStateCheckpoint
+from lightning_memopt.callbacks.resume import LastCheckpoint, RandomStateCheckpoint
 from lightning_memopt.callbacks.training_summary import FitSummary, TrainingSummary
 from lightning_memopt.callbacks.validation_interval import ValidationWithinEpoch
 

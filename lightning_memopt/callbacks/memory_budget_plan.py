@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_memopt.planner import Hardware, Knobs, Plan, PlanError, cuda_hardware, gpu, measure_cpu, plan
 from lightning_memopt.planner import with_budget as budget_of
-from lightning_memopt.planner.command import train_command
+from lightning_memopt.planner.knobs import train_command
 from lightning_memopt.strategies import MemoptFSDPStrategy
 from lightning_memopt.vocabulary import GIB
 

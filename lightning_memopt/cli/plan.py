@@ -101,7 +101,7 @@ def _plan_app(cfg: DictConfig) -> float:
     """Hydra task: prints the candidates, the choice and its ``memopt-train`` command; returns its peak (GiB)."""
     task_started()
     route_lightning_logs()
-    from lightning_memopt.planner.command import train_command
+    from lightning_memopt.planner.knobs import train_command
 
     with input_errors("memopt-plan", building=True, config=cfg):
         result, overrides, measured = plan_config(cfg, list(HydraConfig.get().overrides.task))

@@ -1,6 +1,6 @@
 """Plan a composed training config (``memopt-plan``): its model, one of its batches, its result-changing options.
 
-The command line that runs a plan's knobs is :func:`~lightning_memopt.planner.command.train_command`.
+The command line that runs a plan's knobs is :func:`~lightning_memopt.planner.knobs.train_command`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_memopt.planner.options import ResultChangingOption
+from lightning_memopt.planner.report import ResultChangingOption
 
 # the synthetic data each task family trains on when only `model=` is given
 FAMILY_DATA = {

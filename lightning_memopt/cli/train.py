@@ -228,7 +228,7 @@ def fit(run: Run) -> FitSummary:
     """
     from lightning.pytorch.utilities import rank_zero_info
 
-    from lightning_memopt.callbacks.last_checkpoint import LastCheckpoint
+    from lightning_memopt.callbacks.resume import LastCheckpoint
     from lightning_memopt.cli.config import finish_logger_runs
 
     rank_zero_info(f"memopt-train: model={type(run.model).__name__} data={type(run.datamodule).__name__}")

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_memopt.arguments import check_bool, check_int
 from lightning_memopt.data.face_datamodule import FaceDataModule
 from lightning_memopt.data.pairs import PairDataset, verification_pairs
-from lightning_memopt.data.seeded import disjoint_ranges
+from lightning_memopt.data.resumable import disjoint_ranges
 
 _PATTERN_SIZE = 8  # each identity is a random 3 x 8 x 8 pattern, upsampled to the image size
 _MAX_SHIFT_FRACTION = 1 / 16  # translation of a sample, as a fraction of the image size

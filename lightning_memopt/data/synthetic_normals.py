@@ -24,7 +24,7 @@ from lightning_memopt.data.checks import check_size_pair
 from lightning_memopt.data.loader_datamodule import LoaderDataModule
 from lightning_memopt.data.normals_folder import normals_sample
 from lightning_memopt.data.raycast import Surface, box, disc, pixel_coordinates, random_rotation, shade, sphere
-from lightning_memopt.data.seeded import SeededDataset, disjoint_ranges
+from lightning_memopt.data.resumable import SeededDataset, disjoint_ranges
 
 _BACKGROUND_DEPTH = -1.5  # the background plane passes through (0, 0, -1.5), behind the objects
 _BACKGROUND_PROBABILITY = 0.75  # without a background plane, uncovered pixels are invalid

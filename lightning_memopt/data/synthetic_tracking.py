@@ -20,7 +20,7 @@ from lightning_memopt.arguments import check_int
 from lightning_memopt.data.checks import check_size_pair
 from lightning_memopt.data.loader_datamodule import LoaderDataModule
 from lightning_memopt.data.moving_layers import place_points, point_visibility, random_layers, render_layers
-from lightning_memopt.data.seeded import SeededDataset, disjoint_ranges
+from lightning_memopt.data.resumable import SeededDataset, disjoint_ranges
 from lightning_memopt.data.tracking_sample import collate_tracking_samples, tracking_sample
 
 _CANDIDATES_PER_TRACK = 2  # points placed per track asked for, before the visible ones are chosen

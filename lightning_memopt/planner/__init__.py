@@ -19,8 +19,7 @@ from lightning_memopt.planner.compiled_plan import CompiledPlan, plan_compiled
 from lightning_memopt.planner.cost import StepCost, step_cost
 from lightning_memopt.planner.hardware import GPUS, Hardware, cuda_hardware, gpu, with_budget
 from lightning_memopt.planner.knobs import Knobs
-from lightning_memopt.planner.options import MeasuredOption, ResultChangingOption
-from lightning_memopt.planner.report import Candidate, Plan, PlanError
+from lightning_memopt.planner.report import Candidate, MeasuredOption, Plan, PlanError, ResultChangingOption
 from lightning_memopt.planner.search import plan
 
 __all__ = [

@@ -24,8 +24,7 @@ from lightning_memopt.planner.cost import step_cost
 from lightning_memopt.planner.estimate import MOMENTS, STEP_MOMENTS, StepEstimate, checkpointed, from_profile
 from lightning_memopt.planner.frontier import ActivationPeaks, Frontier, block_options
 from lightning_memopt.planner.knobs import Knobs
-from lightning_memopt.planner.options import MeasuredOption, ResultChangingOption, measure_options
-from lightning_memopt.planner.report import Candidate, PlanError
+from lightning_memopt.planner.report import Candidate, MeasuredOption, PlanError, ResultChangingOption, measure_options
 from lightning_memopt.planner.sharding import ShardedTraffic
 from lightning_memopt.planner.space import Group
 from lightning_memopt.vocabulary import format_bytes

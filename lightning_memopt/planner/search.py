@@ -30,8 +30,7 @@ from lightning_memopt.planner.checkpoint_budget import lean_blocks
 from lightning_memopt.planner.context import ROUND_TO, ProfileProgress, SearchContext
 from lightning_memopt.planner.groups import measure_chosen_options, search_groups
 from lightning_memopt.planner.hardware import Hardware
-from lightning_memopt.planner.options import ResultChangingOption
-from lightning_memopt.planner.report import Plan, PlanError
+from lightning_memopt.planner.report import Plan, PlanError, ResultChangingOption
 from lightning_memopt.planner.sharding import ShardedModel, Sharding
 from lightning_memopt.planner.space import (
     DEFAULT_SAFETY_MARGIN,

@@ -16,7 +16,7 @@ from lightning_memopt.cli.config import config_dir
 from lightning_memopt.cli.train import planned_knobs
 from lightning_memopt.memory import SimulatedDevice
 from lightning_memopt.planner import Knobs
-from lightning_memopt.planner.command import train_command
+from lightning_memopt.planner.knobs import train_command
 from lightning_memopt.tasks import NormalEstimationModule
 from tests.helpers import quiet_trainer, run_script
 

@@ -153,5 +153,8 @@ def test_a_bad_strategy_option_exits_with_its_reason_and_no_traceback(tmp_path):
     args = [*TINY_FACE, "strategy=fsdp_memopt", "trainer.strategy.param_dtype=fp8"]
     result = run_memopt_train(args, cwd=tmp_path, timeout=120)
     assert result.returncode == 2
-    assert "memopt-train: MemoptFSDPStrategy: unknown `trainer.strategy.param_dtype`='fp8'; valid choices: auto" in result.stderr
+    assert (
+        "memopt-train: MemoptFSDPStrategy: unknown `trainer.strategy.param_dtype`='fp8'; valid choices: auto"
+        in result.stderr
+    )
     assert "Traceback" not in result.stderr and "Error executing job" not in result.stderr

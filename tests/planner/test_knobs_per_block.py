@@ -10,7 +10,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from lightning_memopt.checkpointing import checkpoint_mode, checkpoint_modules
 from lightning_memopt.models import create_model
 from lightning_memopt.planner import Knobs
-from lightning_memopt.planner.command import train_command
+from lightning_memopt.planner.knobs import train_command
 
 PAIRS = (
     ("backbone.blocks.0", "full"),
