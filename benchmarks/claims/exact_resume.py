@@ -23,8 +23,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared tools and the wings
 from bench import TableParser, markdown_table, read_rows, write_csv
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
 # A tiny face run with every source of randomness on: augmentation, dropout, sampled softmax classes.
 TINY_RUN = [
     "model=iresnet_tiny",
