@@ -14,9 +14,10 @@ A table sits between two markers in a Markdown file (README.md, docs/**/*.md)::
     <!-- /table -->
 
 and prose that states measured figures the same way, between ``<!-- figures: KEY -->`` and ``<!-- /figures -->``.
-The marker names a registry key: a CSV in ``benchmarks/``, optionally followed by a variant name
+The marker names a registry key: a CSV in a wing of ``benchmarks/`` (``claims/``, ``gpu_truth/``, ``calibration/``;
+each name is unique across them), optionally followed by a variant name
 (``<!-- table: memory_profile.csv highlights -->``). ``REGISTRY`` maps each key to the function that
-turns the CSV into the block: ``"script:function"`` (a benchmark script beside this file, imported
+turns the CSV into the block: ``"module:function"`` (a benchmark module, ``claims.precision``, imported
 only when its block is rendered) or a function of this module. A new benchmark's table is one entry.
 ``--check`` also lists a measured figure typed outside a block in the pages that state results
 (:data:`FIGURE_PAGES`): a decimal number with a unit (``3.50×``, ``1.5 min``, ``0.6 GiB``) not marked as a target
@@ -27,20 +28,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
-if str(HERE) not in sys.path:  # the scripts import their sibling ``results``
+WINGS = ("claims", "gpu_truth", "calibration")  # the folders of benchmarks/ that hold the CSVs
+if str(HERE) not in sys.path:  # the benchmarks import the shared tools and each other's wings from here
     sys.path.insert(0, str(HERE))
 
-from results import Spread, markdown_table, models_by_variant, prose, read_rows  # noqa: E402  (needs the path above)
+from bench import Spread, markdown_table, models_by_variant, prose, read_rows  # noqa: E402  (needs the path above)
 
 Renderer = Callable[[Path], str]
 
@@ -68,7 +68,7 @@ def activation_checkpointing_highlights(path: Path) -> str:
     by_model: dict[str, dict[str, dict[str, str]]] = {}
     for row in read_rows(path):
         by_model.setdefault(row["model"], {})[row["policy"]] = row
-    label = _benchmark_script("activation_checkpointing").model_label
+    label = importlib.import_module("claims.activation_checkpointing").model_label
     lines = []
     for policies in by_model.values():
         cells = [label(policies["none"]), f"{float(policies['none']['activation_peak_mib']) / 1024:.1f}"]
@@ -146,7 +146,7 @@ def gpu_truth_readme(path: Path) -> str:
     reference = _spread([row for row in rows if row["section"] == "reference batch"], "deviation")
     spread = _spread(predicted, "deviation")
     missed = [row for row in predicted if row["passed"] == "no"]
-    h200 = [row for row in read_rows(path.with_name("memory_h200.csv")) if "reference batch" not in row["case"]]
+    h200 = [row for row in read_rows(_beside(path, "memory_h200.csv")) if "reference batch" not in row["case"]]
     h200_missed = {(row["case"], row["variant"]) for row in h200 if abs(float(row["deviation_now"])) > spread.tolerance}
     if {(row["case"], row["variant"]) for row in missed} == h200_missed:
         misses = f"the same {len(missed)} rows as the H200's"
@@ -168,61 +168,66 @@ def gpu_truth_readme(path: Path) -> str:
 
 
 def _sibling(path: Path, name: str, variant: str) -> list[dict[str, str]]:
-    """The rows of ``variant`` in the CSV ``name`` beside ``path``."""
-    return [row for row in read_rows(path.with_name(name)) if row["variant"] == variant]
+    """The rows of ``variant`` in the CSV ``name`` (beside ``path``, else in its wing)."""
+    return [row for row in read_rows(_beside(path, name)) if row["variant"] == variant]
+
+
+def _beside(path: Path, name: str) -> Path:
+    """The CSV ``name`` beside ``path`` where there is one (a test's folder), else in its wing of benchmarks/."""
+    return path.with_name(name) if path.with_name(name).is_file() else csv_path(name)
 
 
 def _spread(rows: list[dict[str, str]], column: str) -> Spread:
-    from truth_memory import PREDICTION_TOLERANCE  # imports torch: only when a GPU table is rendered
+    from gpu_truth.memory import PREDICTION_TOLERANCE  # imports torch: only when a GPU table is rendered
 
     return Spread(tuple(float(row[column]) for row in rows), PREDICTION_TOLERANCE)
 
 
-# key (a CSV in benchmarks/, optionally a variant) -> the function that renders its table or figures
+# key (a CSV in a wing, optionally a variant) -> the function that renders its table or figures
 REGISTRY: dict[str, str | Renderer] = {
-    "memory_profile.csv": "memory_profile:table",
+    "memory_profile.csv": "claims.memory_profile:table",
     "memory_profile.csv highlights": memory_profile_highlights,
-    "memory_monitor_overhead.csv": "memory_profile:overhead_table",
-    "model_state.csv": "model_state:table",
-    "sharded_cpu_memory.csv": "sharded_cpu_memory:table",
-    "activation_checkpointing.csv": "activation_checkpointing:table",
+    "memory_monitor_overhead.csv": "claims.memory_profile:overhead_table",
+    "model_state.csv": "claims.model_state:table",
+    "sharded_cpu_memory.csv": "claims.sharded_cpu_memory:table",
+    "activation_checkpointing.csv": "claims.activation_checkpointing:table",
     "activation_checkpointing.csv highlights": activation_checkpointing_highlights,
-    "foreign_models.csv": "foreign_models:table",
-    "official_checkpoints.csv": "official_checkpoints:table",
-    "fake_vs_real.csv": "fake_vs_real:table",
-    "precision.csv": "precision:table",  # activations from memory_profile.csv, times from precision.csv
-    "adaptive_accumulation.csv": "adaptive_accumulation:table",
-    "knn_eval.csv": "knn_eval:table",
-    "topo_loss.csv": "topo_loss:table",
-    "ddp_compression.csv": "ddp_compression:table",
-    "plan_vs_sweep.csv": "plan_vs_sweep:budget_table",
-    "measured_plan.csv": "measured_plan:table",
-    "exact_resume.csv": "exact_resume:table",
-    "bad_inputs.csv": "bad_inputs:table",
-    "concurrent_rows.csv": "concurrent_rows:table",
-    "cli_startup.csv": "cli_startup:table",
-    "compile_budget.csv": "compile_budget:table",
-    "checkpoint_exactness.csv": "checkpoint_exactness:table",
-    "compiled_plan.csv": "compiled_plan:table",
-    "gpu_truth.csv": "gpu_truth:table",
-    "gpu_truth_h100.csv": "gpu_truth:table",
-    "host_overhead.csv": "host_overhead:table",
-    "cost_model_h200.csv": "cost_model_h200:table",
-    "host_twin.csv": "host_twin:table",
-    "device_work.csv": "device_work:table",
-    "memory_h200.csv": "memory_h200:table",  # once a GPU session commits it (python benchmarks/gpu_truth.py)
+    "foreign_models.csv": "claims.foreign_models:table",
+    "official_checkpoints.csv": "claims.official_checkpoints:table",
+    "fake_vs_real.csv": "claims.fake_vs_real:table",
+    "precision.csv": "claims.precision:table",  # activations from memory_profile.csv, times from precision.csv
+    "adaptive_accumulation.csv": "claims.adaptive_accumulation:table",
+    "knn_eval.csv": "claims.knn_eval:table",
+    "topo_loss.csv": "claims.topo_loss:table",
+    "ddp_compression.csv": "claims.ddp_compression:table",
+    "plan_vs_sweep.csv": "claims.plan_vs_sweep:budget_table",
+    "measured_plan.csv": "claims.measured_plan:table",
+    "exact_resume.csv": "claims.exact_resume:table",
+    "bad_inputs.csv": "claims.bad_inputs:table",
+    "concurrent_rows.csv": "claims.concurrent_rows:table",
+    "cli_startup.csv": "claims.cli_startup:table",
+    "compile_budget.csv": "claims.compile_budget:table",
+    "checkpoint_exactness.csv": "claims.checkpoint_exactness:table",
+    "compiled_plan.csv": "claims.compiled_plan:table",
+    "gpu_truth.csv": "gpu_truth.harness:table",
+    "gpu_truth_h100.csv": "gpu_truth.harness:table",
+    "host_overhead.csv": "claims.host_overhead:table",
+    "cost_model_h200.csv": "calibration.cost_model_h200:table",
+    "host_twin.csv": "calibration.host_twin:table",
+    "device_work.csv": "claims.device_work:table",
+    "memory_h200.csv": "calibration.memory_h200:table",  # a GPU session's (python benchmarks/gpu_truth.py)
     # figures in prose
-    "activation_checkpointing.csv targets": "activation_checkpointing:targets",
-    "compile_budget.csv targets": "compile_budget:targets",
-    "compiled_plan.csv targets": "compiled_plan:targets",
-    "cost_model_h200.csv summary": "cost_model_h200:summary",
-    "host_twin.csv summary": "host_twin:summary",
-    "host_overhead.csv prices": "host_overhead:prices",
-    "plan_vs_sweep.csv targets": "plan_vs_sweep:targets",
-    "measured_plan.csv targets": "measured_plan:targets",
-    "fake_vs_real.csv summary": "fake_vs_real:summary",
-    "memory_h200.csv summary": "memory_h200:summary",
-    "gpu_truth_h100.csv summary": "gpu_truth:summary",
+    "activation_checkpointing.csv targets": "claims.activation_checkpointing:targets",
+    "compile_budget.csv targets": "claims.compile_budget:targets",
+    "compiled_plan.csv targets": "claims.compiled_plan:targets",
+    "cost_model_h200.csv summary": "calibration.cost_model_h200:summary",
+    "host_twin.csv summary": "calibration.host_twin:summary",
+    "host_overhead.csv prices": "claims.host_overhead:prices",
+    "plan_vs_sweep.csv targets": "claims.plan_vs_sweep:targets",
+    "measured_plan.csv targets": "claims.measured_plan:targets",
+    "fake_vs_real.csv summary": "claims.fake_vs_real:summary",
+    "memory_h200.csv summary": "calibration.memory_h200:summary",
+    "gpu_truth_h100.csv summary": "gpu_truth.harness:summary",
     "step_time_compute_bound_h200.csv precision": precision_h200,
     "gpu_truth_h200.csv readme": gpu_checkpointing_readme,
     "memory_h200.csv readme": memory_h200_readme,
@@ -273,26 +278,14 @@ def renderer(key: str, registry: dict[str, str | Renderer] | None = None) -> Ren
     entry = registry[key]
     if callable(entry):
         return entry
-    script, function = entry.split(":")
-    return getattr(_benchmark_script(script), function)
-
-
-def _benchmark_script(name: str) -> ModuleType:
-    """The script ``benchmarks/<name>.py``, loaded by its path: a module of the same name elsewhere on
-    ``sys.path`` (``tests/foreign_models.py``) is never taken for it."""
-    qualified = f"benchmarks.{name}"
-    if qualified not in sys.modules:
-        spec = importlib.util.spec_from_file_location(qualified, HERE / f"{name}.py")
-        assert spec is not None and spec.loader is not None, name
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[qualified] = module
-        spec.loader.exec_module(module)
-    return sys.modules[qualified]
+    module, function = entry.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def csv_path(key: str, benchmarks: Path = HERE) -> Path:
-    """The CSV a key names (its first word), in ``benchmarks``."""
-    return benchmarks / key.split()[0]
+    """The CSV a key names (its first word): in the wing of ``benchmarks`` that holds it, else in ``benchmarks``."""
+    name = key.split()[0]
+    return next((benchmarks / wing / name for wing in WINGS if (benchmarks / wing / name).is_file()), benchmarks / name)
 
 
 def render(key: str, benchmarks: Path = HERE, registry: dict[str, str | Renderer] | None = None) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import socket
 import subprocess
@@ -32,18 +32,13 @@ class ResidualMLP(nn.Module):
 
 
 def load_benchmark(name: str):
-    """``benchmarks/<name>.py`` by its path (the benchmarks are scripts, not a package). It imports its siblings
-    (``results``, …) as it loads: ``benchmarks/`` is on ``sys.path`` for that moment only (``tests/foreign_models.py``
-    must not meet ``benchmarks/foreign_models.py`` there)."""
-    spec = importlib.util.spec_from_file_location(f"benchmarks.{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    """The benchmark module ``name``, by its place under ``benchmarks/`` (``"claims.compile_budget"``,
+    ``"gpu_truth.harness"``, ``"host_steps"``). ``benchmarks/`` goes on ``sys.path``, as each script puts it there:
+    the benchmarks import the shared tools and each other's wings from it (their names are wing-qualified, so
+    ``tests/foreign_models.py`` never meets ``claims/foreign_models.py``)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
 
 
 # Trainer overrides shared by every tiny run: two CPU steps with one validation batch.

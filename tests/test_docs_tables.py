@@ -16,14 +16,14 @@ BENCHMARKS = REPO_ROOT / "benchmarks"
 
 @pytest.fixture(scope="module")
 def tables():
-    sys.path.insert(0, str(BENCHMARKS))  # the scripts import their sibling ``results``
+    sys.path.insert(0, str(BENCHMARKS))  # the benchmarks import the shared tools and the wings from here
     try:
         spec = importlib.util.spec_from_file_location("benchmark_tables", BENCHMARKS / "tables.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # its dataclass looks its module up there
         spec.loader.exec_module(module)
         yield module
-    finally:  # the scripts imported as top-level modules (``results``, ``precision``, …) go too
+    finally:  # the benchmark modules it imported (``bench``, ``claims.precision``, …) go too
         for name, module in list(sys.modules.items()):
             if str(getattr(module, "__file__", "") or "").startswith(str(BENCHMARKS)):
                 del sys.modules[name]
@@ -95,7 +95,9 @@ def test_every_registry_entry_resolves_to_a_function(tables):
 
 def test_the_precision_and_memory_profile_tables_show_the_same_activations(tables):
     """Both come from memory_profile.profile_preset; the precision table reads memory_profile.csv's rows."""
-    profiles = {(row["preset"], row["precision"]): row for row in tables.read_rows(BENCHMARKS / "memory_profile.csv")}
+    profiles = {
+        (row["preset"], row["precision"]): row for row in tables.read_rows(BENCHMARKS / "claims" / "memory_profile.csv")
+    }
     precision_rows = tables.render("precision.csv").splitlines()[2:]
     for line in precision_rows:
         preset, _, fp32, bf16 = (cell.strip() for cell in line.strip("|").split("|")[:4])
@@ -133,6 +135,6 @@ def test_check_exits_zero_when_every_table_matches(tables, capsys):
 
 def test_a_module_of_a_scripts_name_elsewhere_is_not_taken_for_the_script(tables, monkeypatch):
     monkeypatch.setitem(sys.modules, "foreign_models", types.ModuleType("foreign_models"))  # tests/foreign_models.py
-    monkeypatch.delitem(sys.modules, "benchmarks.foreign_models", raising=False)
+    monkeypatch.delitem(sys.modules, "claims.foreign_models", raising=False)
     render = tables.renderer("foreign_models.csv")
-    assert render.__module__ == "benchmarks.foreign_models"
+    assert render.__module__ == "claims.foreign_models"

@@ -126,7 +126,13 @@ def test_sdist_carries_tests_configs_and_docs_and_the_wheel_built_from_it_the_li
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
     expected = {"LICENSE", "CHANGELOG.md", "README.md", "mkdocs.yml", "tests/conftest.py", "conf/train.yaml"}
-    expected |= {"docs/index.md", "benchmarks/tables.py", "benchmarks/precision.csv", ".ci/run"}
+    expected |= {
+        "docs/index.md",
+        "benchmarks/tables.py",
+        "benchmarks/claims/precision.csv",
+        "benchmarks/README.md",
+        ".ci/run",
+    }
     assert expected <= names, sorted(expected - names)
     assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
     (wheel,) = dist.glob("*.whl")

@@ -12,8 +12,8 @@ A profile that plans for CUDA adds them (:class:`MemoryTracker` ``workspace=``):
 The sizes are per device: cuBLAS's is PyTorch's default for the architecture (32 MiB per handle on
 Hopper, 8 MiB + 128 KiB before it); ``conv_factor`` is fitted to ``benchmarks/gpu_truth.py``'s
 measurements: 1.0 on the H200's rows (0.25 left IResNet r200 4.3 % under, 1.0 3.7 %;
-``python benchmarks/memory_h200.py`` shows every row). Before Hopper it is the H200's until a GPU of
-that kind is measured.
+``python benchmarks/calibration/memory_h200.py`` shows every row). Before Hopper it is the H200's until a GPU
+of that kind is measured.
 
 Example::
 

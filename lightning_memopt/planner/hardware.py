@@ -43,7 +43,7 @@ class Hardware:
         region_seconds: the host-side cost of checkpointing, by mode (``full``, ``selective``,
             ``offload``): seconds per checkpointed block call and per forward op inside it (views
             included: the recomputation's dispatch, saved-tensor hooks, selective's per-op mode), measured by
-            :func:`~lightning_memopt.planner.calibration.measure_host`.
+            :func:`~lightning_memopt.planner.host.measure_host`.
         tf32_tflops: TF32 rate on tensor cores, TFLOP/s (0: none). fp32 convolutions run at it while
             ``torch.backends.cudnn.allow_tf32`` (PyTorch's default), fp32 matmuls while
             ``torch.backends.cuda.matmul.allow_tf32`` (off by default).
@@ -91,16 +91,18 @@ class Hardware:
         return "bf16-mixed" if self.bf16 else "16-mixed"
 
 
-# Fitted on the first CUDA measurements (NVIDIA H200, the none and bf16-mixed step times of gpu_truth.py's cases,
-# reproduce with `python benchmarks/cost_model_h200.py`): a step achieves 45 % of the peak rates, and its host spends
-# 44 µs per kernel (Python, module calls, autograd, dispatch and the launch: the rows where bf16 did not help).
+# Fitted on the first CUDA measurements (NVIDIA H200, the none and bf16-mixed step times of gpu_truth.py's
+# cases, reproduce with `python benchmarks/calibration/cost_model_h200.py`): a step achieves 45 % of the peak rates,
+# and its host spends 44 µs per kernel (Python, module calls, autograd, dispatch and the launch: the rows where bf16
+# did not help).
 ACHIEVED = 0.45
 HOST_KERNEL_SECONDS = 44e-6
 # What each mode of ours adds on the host, beyond queuing what it recomputes, as (seconds per wrapped block call,
 # seconds per forward op inside it): Python work, the same beside a GPU as on the CPU that measured it (the narrow
 # models of lightning_memopt.planner.host, wrapped block by block and four blocks a call; selective keeping its
-# ops; `python benchmarks/host_overhead.py`, 2026-11-28, 2 cores). Selective's since its blocks run as traced graphs
-# (2026-11-29, a busier host: 1.08x full's per call and 1.12x full's per forward op, scaled onto full's entry).
+# ops; `python benchmarks/claims/host_overhead.py`, 2026-11-28, 2 cores). Selective's since its blocks run as
+# traced graphs (2026-11-29, a busier host: 1.08x full's per call and 1.12x full's per forward op, scaled onto
+# full's entry).
 HOST_REGION_SECONDS = {"full": (290e-6, 3.4e-6), "selective": (313e-6, 3.8e-6), "offload": (110e-6, 14.1e-6)}
 
 

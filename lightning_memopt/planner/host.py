@@ -4,24 +4,23 @@ A GPU runs a step's kernels while the host queues the next ones; when the host t
 device (small batches, narrow layers, many blocks wrapped), the host sets the step's time. That work
 is the same on a CPU as beside a GPU, so it is measured here on narrow models with tiny tensors,
 where the arithmetic is negligible: a residual CNN with batch norm and a pre-norm transformer, each
-step timed without checkpointing, with each mode of ours on every block, and with PyTorch's own
-``torch.utils.checkpoint`` (the anchor), interleaved round by round, the fastest round of each kept.
+step timed without checkpointing and with each mode of ours on every block, interleaved round by round, the
+fastest round of each kept.
 ``selective`` is the mode as a model gets it: the narrow models' blocks run as traced graphs
 (:mod:`~lightning_memopt.checkpointing.traced_graph`) that keep their matmuls on every call; a block no trace can
 follow goes the dispatch-mode way, where on tensors this small keeping does not pay and after its first calls the
 block is recomputed in full (:mod:`~lightning_memopt.checkpointing.selective_payoff`). ``selective kept`` keeps them
 on every call either way: the cost of the mode itself, which the planner prices.
 What a mode adds beyond the kernels it recomputes is priced per wrapped call and per forward op inside it, fitted
-on both narrow models wrapped one and four blocks a call (:func:`host_costs`) and checked on the held-out models
-of :mod:`~lightning_memopt.planner.narrow_models` (``benchmarks/host_overhead.py``).
+on both narrow models wrapped one and four blocks a call (:func:`host_costs`); ``benchmarks/host_steps.py`` holds what
+checks the fit (``torch.utils.checkpoint``'s variant, the held-out models, the priced ratios) and
+``benchmarks/claims/host_overhead.py`` runs it.
 
 Example::
 
-    >>> ratios = host_step_ratios("cnn", rounds=2)
-    >>> sorted(ratios)
-    ['full', 'none', 'offload', 'selective', 'selective kept', 'torch']
-    >>> ratios["none"]
-    1.0
+    >>> seconds = host_step_seconds("cnn", rounds=1, steps=1)
+    >>> sorted(seconds)
+    ['full', 'none', 'offload', 'selective', 'selective kept']
 """
 
 from __future__ import annotations
@@ -30,31 +29,15 @@ import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.nn import functional as F
 
 from lightning_memopt.checkpointing.wrap import checkpoint_modules
 from lightning_memopt.memory.work import KernelCounter
-from lightning_memopt.planner.narrow_models import NARROW_MODELS, narrow_model
 from lightning_memopt.private_api import disable_current_modes
 from lightning_memopt.vocabulary import CHECKPOINT_MODES
-
-
-class TorchCheckpointed(nn.Module):
-    """A block under ``torch.utils.checkpoint`` as PyTorch recommends it (non-reentrant, its defaults); ``options``
-    go to ``checkpoint`` (a ``context_fn`` for selective recomputation, say)."""
-
-    def __init__(self, block: nn.Module, **options: Any) -> None:
-        super().__init__()
-        self.block = block
-        self.options = options
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.block, x, use_reentrant=False, **self.options)
-
 
 Wrapper = Callable[[nn.Sequential], nn.Module]
 
@@ -80,7 +63,6 @@ SELECTIVE_KEPT = "selective kept"
 # how each variant treats every block of a narrow model
 WRAPPERS: dict[str, Wrapper] = {
     "none": lambda model: model,
-    "torch": lambda model: nn.Sequential(*(TorchCheckpointed(block) for block in model)),
     **{mode: _ours(mode) for mode in CHECKPOINT_MODES},
     SELECTIVE_KEPT: _selective_kept,
 }
@@ -152,12 +134,6 @@ def fastest_seconds(
 def _synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
-
-
-def host_step_ratios(name: str, rounds: int = 10) -> dict[str, float]:
-    """:func:`host_step_seconds` over the step without checkpointing."""
-    seconds = host_step_seconds(name, rounds)
-    return {variant: value / seconds["none"] for variant, value in seconds.items()}
 
 
 @dataclass(frozen=True)
@@ -233,45 +209,6 @@ def _to_picoseconds(seconds: float) -> float:
     return round(seconds, 12) + 0.0  # drops what float64 arithmetic leaves of an exact fit (and a -0.0)
 
 
-def priced_host_ratios(
-    name: str, kernel_seconds: float, region_seconds: Mapping[str, tuple[float, float]], group: int = 1
-) -> dict[str, float]:
-    """What the planner prices a step of the narrow model ``name`` at, each of our modes over none, on a host that
-    spends ``kernel_seconds`` per kernel and ``region_seconds`` per wrapped call and per forward op in it (its
-    :class:`~lightning_memopt.planner.hardware.Hardware`'s), its blocks wrapped ``group`` a call: every kernel of
-    the step, recomputed ones included, and each wrapped call's Python work. Selective is priced keeping its
-    expensive ops (:data:`SELECTIVE_KEPT`).
-
-    Example::
-
-        >>> free = dict.fromkeys(CHECKPOINT_MODES, (0.0, 0.0))
-        >>> ratios = priced_host_ratios("cnn", 1e-5, free)
-        >>> sorted(ratios), round(ratios["full"], 2)    # free Python: the recomputed forward kernels only
-        (['full', 'none', 'offload', 'selective kept'], 1.2)
-    """
-    calls, ops = narrow_region(name, group)
-    variants = {"none": "none", "full": "full", "offload": "offload", SELECTIVE_KEPT: "selective"}
-    seconds = {}
-    for variant, mode in variants.items():
-        per_call, per_op = region_seconds[mode] if mode != "none" else (0.0, 0.0)
-        kernels = step_kernels(name, None, in_groups(WRAPPERS[variant], group))
-        seconds[variant] = kernels * kernel_seconds + calls * per_call + ops * per_op
-    return {variant: value / seconds["none"] for variant, value in seconds.items()}
-
-
-def narrow_region(name: str, group: int = 1) -> tuple[int, int]:
-    """The narrow model ``name`` with its blocks wrapped ``group`` a call, as the planner counts its region:
-    ``(calls, forward ops)``.
-
-    Example::
-
-        >>> narrow_region("cnn"), narrow_region("cnn", 4)
-        ((16, 304), (4, 304))
-    """
-    model, x = narrow_model(name)
-    return _calls(len(model), group), _counted(model, x).ops
-
-
 @functools.lru_cache(maxsize=1)
 def measure_host() -> HostCosts:
     """This host's costs of our modes (:func:`host_costs`), measured once a process. Selective's is the mode's own
@@ -294,8 +231,8 @@ def in_groups(wrap: Wrapper, group: int) -> Wrapper:
 
     Example::
 
-        >>> wrapped = in_groups(WRAPPERS["torch"], 4)(narrow_model("cnn", blocks=8)[0])
-        >>> len(wrapped), len(wrapped[0].block)
+        >>> wrapped = in_groups(WRAPPERS["full"], 4)(narrow_model("cnn", blocks=8)[0])
+        >>> len(wrapped), len(wrapped[0])
         (2, 4)
     """
     if group == 1:
@@ -324,3 +261,65 @@ def _counted(run: Callable[..., object], *args: object) -> KernelCounter:
     with disable_current_modes(), KernelCounter() as counter:
         run(*args)
     return counter
+
+
+class Bottleneck(nn.Module):
+    """1×1, 3×3 and 1×1 convolutions with batch norm and ReLU, and a residual: a ResNet block."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(width, width, k, padding=k // 2, bias=False) for k in (1, 3, 1))
+        self.norms = nn.ModuleList(nn.BatchNorm2d(width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x
+        for index, (conv, norm) in enumerate(zip(self.convs, self.norms, strict=True)):
+            y = norm(conv(y))
+            y = F.relu(y + x if index == 2 else y)
+        return y
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm attention and MLP with residuals: a ViT block."""
+
+    def __init__(self, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, width = x.shape
+        qkv = self.qkv(self.norm1(x)).reshape(batch, tokens, 3, self.heads, width // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, tokens, width)
+        x = x + self.proj(attended)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+NARROW_MODELS = ("cnn", "transformer")  # the host's costs are fitted on these
+# name: (block, default blocks, input shape); benchmarks/host_steps.py adds the held-out models that check the fit
+NARROW_BUILDERS: dict[str, tuple[Callable[[], nn.Module], int, tuple[int, ...]]] = {
+    "cnn": (Bottleneck, 16, (2, 8, 8, 8)),
+    "transformer": (EncoderBlock, 12, (2, 8, 16)),
+}
+
+
+def narrow_model(name: str, blocks: int | None = None) -> tuple[nn.Sequential, torch.Tensor]:
+    """A narrow model of ``name`` (``"cnn"``: 16 bottlenecks; ``"transformer"``: 12 encoder blocks; or ``blocks``
+    of them) and its input: a few blocks on tiny tensors, where the host sets a step's time.
+
+    Raises:
+        ValueError: an unknown ``name``, listing :data:`NARROW_BUILDERS`.
+
+    Example::
+
+        >>> model, x = narrow_model("transformer", blocks=2)
+        >>> len(model), tuple(model(x).shape)
+        (2, (2, 8, 16))
+    """
+    if name not in NARROW_BUILDERS:
+        raise ValueError(f"Unknown `name`={name!r}; valid choices: {', '.join(NARROW_BUILDERS)}")
+    block, default, shape = NARROW_BUILDERS[name]
+    return nn.Sequential(*(block() for _ in range(blocks or default))), torch.randn(*shape)

@@ -1,5 +1,5 @@
-"""benchmarks/checkpoint_exactness.py: each model's checkpointed gradients differ from the plain step's as the docs
-table says; compiled checkpointing traces (Swin included) and stays within its bound."""
+"""benchmarks/claims/checkpoint_exactness.py: each model's checkpointed gradients differ from the plain step's as the
+docs table says; compiled checkpointing traces (Swin included) and stays within its bound."""
 
 import time
 
@@ -9,7 +9,7 @@ import torch._inductor.config
 
 from tests.helpers import load_benchmark
 
-exactness = load_benchmark("checkpoint_exactness")
+exactness = load_benchmark("claims.checkpoint_exactness")
 CSV = exactness.Path(exactness.__file__).with_suffix(".csv")
 STATED = {(row["model"], row["mode"]): row for row in exactness.read_rows(CSV)}
 

@@ -1,4 +1,5 @@
-"""benchmarks/compile_budget.py: the allocator-level instrument, and its quick run against torch.compile's budget."""
+"""benchmarks/claims/compile_budget.py: the allocator-level instrument, and its quick run against torch.compile's
+budget."""
 
 import csv
 import math
@@ -12,7 +13,7 @@ from lightning_memopt.memory import MemoryTracker
 from lightning_memopt.models import create_model
 from tests.helpers import load_benchmark
 
-compile_budget = load_benchmark("compile_budget")
+compile_budget = load_benchmark("claims.compile_budget")
 
 
 def _both_counts(build, batch):

@@ -1,4 +1,4 @@
-"""benchmarks/cost_model_h200.py: the implementation the H200 measured, priced from its own work."""
+"""benchmarks/calibration/cost_model_h200.py: the implementation the H200 measured, priced from its own work."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 from lightning_memopt.planner.cost import StepCost
 from tests.helpers import load_benchmark
 
-cost_model = load_benchmark("cost_model_h200")
+cost_model = load_benchmark("calibration.cost_model_h200")
 
 
 def test_the_measured_implementations_work_covers_every_case_and_variant():

@@ -6,7 +6,7 @@ import pytest
 
 from tests.helpers import load_benchmark
 
-device_work = load_benchmark("device_work")
+device_work = load_benchmark("claims.device_work")
 CASES = {case.name: case for case in device_work.REDUCED}
 # CoTracker's tiny step takes about a minute to count in every mode: the slow run holds it
 NAMES = [pytest.param(name, marks=pytest.mark.slow) if "cotracker" in name else name for name in CASES]

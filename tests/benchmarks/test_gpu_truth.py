@@ -1,4 +1,5 @@
-"""benchmarks/gpu_truth.py: the dry run end to end, its rows and exit code, the device it measures on (CPU, CUDA)."""
+"""benchmarks/gpu_truth/ (run as benchmarks/gpu_truth.py): the dry run end to end, its rows and exit code, the device
+it measures on (CPU, CUDA)."""
 
 import csv
 import doctest
@@ -11,17 +12,17 @@ import torch
 from lightning_memopt.planner.space import DEFAULT_SAFETY_MARGIN
 from tests.helpers import BENCHMARKS, load_benchmark, run_script
 
-gpu_truth = load_benchmark("gpu_truth")
-# its siblings, as loaded with it (held here: other tests' fixtures clear the benchmarks out of sys.modules)
+gpu_truth = load_benchmark("gpu_truth.harness")
+# the package's modules, as loaded with it (held here: other tests' fixtures clear the benchmarks out of sys.modules)
 SIBLINGS = {
-    name: sys.modules[name]
+    name: sys.modules[f"gpu_truth.{name}"]
     for name in (
-        "truth_allocator", "truth_cases", "truth_device", "truth_host", "truth_memory", "truth_recovery",
-        "truth_rows", "truth_reference", "truth_runtime", "truth_seeds",
+        "allocator", "cases", "device", "host", "memory", "peak_trace", "recovery", "rows", "reference", "runtime",
+        "seeds",
     )
 }  # fmt: skip
 truth_device, truth_memory, truth_recovery, truth_rows, truth_seeds = (
-    SIBLINGS[name] for name in ("truth_device", "truth_memory", "truth_recovery", "truth_rows", "truth_seeds")
+    SIBLINGS[name] for name in ("device", "memory", "recovery", "rows", "seeds")
 )
 SECTIONS = [  # in the order they run: the timings first
     "device",

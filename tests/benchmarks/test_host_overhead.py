@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import doctest
 
 import pytest
 import torch
@@ -10,21 +11,25 @@ import torch
 from lightning_memopt.memory.work import KernelCounter
 from lightning_memopt.planner import host
 from lightning_memopt.planner.host import (
-    WRAPPERS,
+    NARROW_MODELS,
     HostCosts,
     fit_region_seconds,
-    host_step_ratios,
     host_step_seconds,
     in_groups,
     measure_host,
-    narrow_region,
-    priced_host_ratios,
+    narrow_model,
 )
-from lightning_memopt.planner.narrow_models import HELD_OUT_MODELS, NARROW_MODELS, narrow_model
 from lightning_memopt.private_api import disable_current_modes
 from tests.helpers import load_benchmark
 
-host_overhead = load_benchmark("host_overhead")
+host_overhead = load_benchmark("claims.host_overhead")
+host_steps = load_benchmark("host_steps")  # adds the held-out models to the narrow ones
+HELD_OUT_MODELS, WRAPPERS = host_steps.HELD_OUT_MODELS, host_steps.WRAPPERS
+host_step_ratios, narrow_region, priced_host_ratios = (
+    host_steps.host_step_ratios,
+    host_steps.narrow_region,
+    host_steps.priced_host_ratios,
+)
 
 
 # ~90 s: every variant of both narrow models, 10 rounds interleaved (in 3, selective's timed first calls could set
@@ -199,5 +204,10 @@ def test_a_held_out_model_priced_off_the_measurement_is_named():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_narrow_models_time_their_host_beside_a_gpu():
-    seconds = host_step_seconds("cnn", rounds=1, steps=1, device="cuda")
+    seconds = host_step_seconds("cnn", rounds=1, steps=1, wrappers=WRAPPERS, device="cuda")
     assert set(seconds) == set(WRAPPERS) and all(0 < value < 10 for value in seconds.values())
+
+
+def test_the_examples_in_host_steps_run():
+    result = doctest.testmod(host_steps)
+    assert result.attempted > 0 and result.failed == 0

@@ -1,4 +1,4 @@
-"""benchmarks/host_twin.py: the H200's host-bound r50 case as a narrow twin on this CPU."""
+"""benchmarks/calibration/host_twin.py: the H200's host-bound r50 case as a narrow twin on this CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers import load_benchmark
 
-host_twin = load_benchmark("host_twin")
+host_twin = load_benchmark("calibration.host_twin")
 
 
 def _gradients(variant: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -62,8 +62,8 @@ def test_the_planner_prices_the_h200_cases_wrapped_blocks_at_the_measured_implem
 
 
 def test_gpu_truths_host_rows_set_the_twin_beside_the_h200_and_the_ci_machine():
-    truth_host = load_benchmark("truth_host")
-    truth_device = load_benchmark("truth_device")
+    truth_host = load_benchmark("gpu_truth.host")
+    truth_device = load_benchmark("gpu_truth.device")
     rows = truth_host.twin_rows(truth_device.TruthDevice.detect(prefer_cuda=False), rounds=1)
     assert [row["variant"] for row in rows[:2]] == ["full", "selective"]
     assert all(row["ratio"] > 1 for row in rows[:2])  # recomputation costs the host on a tiny step

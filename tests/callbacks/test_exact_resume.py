@@ -176,7 +176,7 @@ def test_memopt_train_resumes_exactly(tmp_path, case):
     """memopt-train with memopt=[adaptive,precision], and under 2-rank DDP: bitwise the uninterrupted weights."""
     output = tmp_path / "gaps.csv"
     args = ["--cases", case, "--resume-from", "3", "--steps", "5", "--csv", str(output)]
-    result = run_script(REPO_ROOT / "benchmarks" / "exact_resume.py", args, cwd=tmp_path, timeout=900)
+    result = run_script(REPO_ROOT / "benchmarks" / "claims" / "exact_resume.py", args, cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = list(csv.DictReader(output.open()))
     assert [(row["case"], row["resumed_from_step"], float(row["max_abs_dw"])) for row in rows] == [(case, "3", 0.0)]

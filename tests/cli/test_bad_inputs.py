@@ -1,25 +1,13 @@
-"""Every bad input of the table in benchmarks/bad_inputs.py ends with exit status 2 and one clean line naming it."""
+"""Every bad input of the table in benchmarks/claims/bad_inputs.py ends with exit status 2 and one clean line
+naming it."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from tests.helpers import REPO_ROOT, run_memopt_train
+from tests.helpers import load_benchmark, run_memopt_train
 
-
-def _load_table():
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # the script imports its sibling `results`
-    spec = importlib.util.spec_from_file_location("bad_inputs", REPO_ROOT / "benchmarks" / "bad_inputs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bad_inputs"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-bad_inputs = _load_table()
+bad_inputs = load_benchmark("claims.bad_inputs")
 
 
 @pytest.fixture(scope="module")

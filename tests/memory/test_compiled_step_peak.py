@@ -9,7 +9,7 @@ from lightning_memopt.memory.compiled_step import predict_compiled_step
 from lightning_memopt.models import create_model
 from tests.helpers import load_benchmark
 
-compile_budget = load_benchmark("compile_budget")
+compile_budget = load_benchmark("claims.compile_budget")
 
 
 def _measured(build, batch, budget):

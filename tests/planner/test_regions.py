@@ -11,7 +11,7 @@ from lightning_memopt.memory import profile_step
 from lightning_memopt.planner.estimate import checkpointed_regions
 from lightning_memopt.planner.frontier import block_options
 from lightning_memopt.planner.hardware import gpu
-from lightning_memopt.planner.narrow_models import narrow_model
+from lightning_memopt.planner.host import narrow_model
 
 
 def _anchor(steps: int):
