@@ -25,8 +25,8 @@ def compose_train(tmp_path):
     return compose_
 
 
-# lightning_memopt.cache.CACHE_VARIABLE, named here without importing the package: the planner loads Lightning, which
-# then logs past pytest's capture (it stops propagating to a root logger that has no handler yet)
+# lightning_memopt.planner.calibration.CACHE_VARIABLE, named here without importing the package: the planner loads
+# Lightning, which then logs past pytest's capture (it stops propagating to a root logger that has no handler yet)
 RATES_CACHE_VARIABLE = "LIGHTNING_MEMOPT_CACHE"
 
 

@@ -7,7 +7,8 @@ checkpointing adds in each mode (:func:`~lightning_memopt.planner.host.measure_h
 They are measured once per machine (its processor, its threads, torch's version) and kept in
 ``$LIGHTNING_MEMOPT_CACHE/cpu_rates.json`` (default ``~/.cache/lightning_memopt``): rates timed again on
 every plan moved with the machine's load, so the same candidate was priced at 3.91 s and at 0.29 s.
-``measure_cpu(refresh=True)`` times them again.
+``measure_cpu(refresh=True)`` times them again. The same folder (:func:`cache_folder`) keeps the candidates timed on
+a device (:mod:`~lightning_memopt.planner.remembered`); deleting a file makes the project measure again.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -22,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from lightning_memopt.cache import cache_folder
 from lightning_memopt.planner.hardware import Hardware
 from lightning_memopt.planner.host import measure_host
 from lightning_memopt.private_api import disable_current_modes
@@ -136,3 +137,11 @@ def _timed_rates(memory_bytes: int, size: int, repeats: int) -> Hardware:
         device_type="cpu",
         workspace=None,
     )
+
+
+CACHE_VARIABLE = "LIGHTNING_MEMOPT_CACHE"
+
+
+def cache_folder() -> Path:
+    """``$LIGHTNING_MEMOPT_CACHE``, else ``~/.cache/lightning_memopt``."""
+    return Path(os.environ.get(CACHE_VARIABLE) or Path.home() / ".cache" / "lightning_memopt")

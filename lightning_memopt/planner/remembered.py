@@ -2,9 +2,9 @@
 measures nothing again.
 
 The trials of :mod:`~lightning_memopt.planner.trials` are kept in ``measurements.json`` in the project's cache
-folder (:func:`~lightning_memopt.cache.cache_folder`), under a key of what decides them: the model's structure
-(each module's class, each parameter's and buffer's name, shape, dtype and whether it trains), the batch's shapes
-and dtypes, the device's name and memory, the number of devices, and torch's and the project's versions. Each
+folder (:func:`~lightning_memopt.planner.calibration.cache_folder`), under a key of what decides them: the model's
+structure (each module's class, each parameter's and buffer's name, shape, dtype and whether it trains), the batch's
+shapes and dtypes, the device's name and memory, the number of devices, and torch's and the project's versions. Each
 candidate's knobs map to its measured step time and peak (or that it ran out of memory); whether a remembered peak
 fits is decided again against the budget of the run that recalls it.
 
@@ -31,8 +31,7 @@ import torch
 from torch import nn
 
 from lightning_memopt.__about__ import __version__
-from lightning_memopt.cache import cache_folder
-from lightning_memopt.planner.calibration import machine_key
+from lightning_memopt.planner.calibration import cache_folder, machine_key
 from lightning_memopt.planner.knobs import Knobs
 from lightning_memopt.planner.trials import MEASURED, OUT_OF_MEMORY, OVER_BUDGET, Measurement
 from lightning_memopt.private_api import tree_flatten

@@ -10,12 +10,12 @@ from hydra import compose, initialize_config_dir
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_memopt import ActivationCheckpointing, AdaptiveAccumulation, MemoryBudget, PrecisionSwitch
-from lightning_memopt.cache import CACHE_VARIABLE
 from lightning_memopt.callbacks import memory_budget
 from lightning_memopt.cli.config import config_dir
 from lightning_memopt.cli.train import planned_knobs
 from lightning_memopt.memory import SimulatedDevice
 from lightning_memopt.planner import Knobs
+from lightning_memopt.planner.calibration import CACHE_VARIABLE
 from lightning_memopt.planner.knobs import train_command
 from lightning_memopt.tasks import NormalEstimationModule
 from tests.helpers import quiet_trainer, run_script

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from lightning_memopt.cache import CACHE_VARIABLE
 from lightning_memopt.planner import calibration
+from lightning_memopt.planner.calibration import CACHE_VARIABLE
 from tests.conftest import RATES_CACHE_VARIABLE
 
 
