@@ -1,4 +1,5 @@
-"""The project's vocabulary: precisions, checkpoint modes, attention kernels and units, declared once.
+"""The project's vocabulary: precisions, checkpoint modes, attention kernels and units, declared once; and the
+forms it prints them in (:func:`format_bytes`, :func:`aligned_table`).
 
 Every layer imports its choices from here, so an argument check, a planner knob and a profile
 agree on what a precision or a checkpoint mode is. Each runtime tuple has its ``Literal`` beside it

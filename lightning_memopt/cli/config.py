@@ -1,6 +1,7 @@
 """Locate the Hydra config tree, build objects from its groups, and send Lightning's log lines to Hydra's job log.
 
 :func:`finish_logger_runs` ends the logger runs that outlive a fit, so each job of a multirun logs a run of its own.
+:func:`with_config_keys` writes an argument an error names as the config key that sets it (`` `data.batch_size` ``).
 """
 
 from __future__ import annotations
@@ -114,8 +115,9 @@ def route_lightning_logs() -> int:
 
 def with_config_keys(message: str, cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
     """``message`` with each argument it names in backticks (`` `batch_size` ``) written as the config key that
-    sets it (`` `data.batch_size` ``): the key among ``overrides`` (what the user typed), else the config's only key
-    of that name; a name no key or several keys end in stays as it is.
+    sets it (`` `data.batch_size` ``): the key the user typed among ``overrides`` (or set inside one they typed,
+    ``knobs={precision:fp8}``), else the config's only key of that name; a name no key or several keys end in stays
+    as it is.
 
     Example::
 
@@ -123,6 +125,9 @@ def with_config_keys(message: str, cfg: DictConfig, overrides: Sequence[str] = (
         >>> cfg = OmegaConf.create({"data": {"batch_size": -4}, "model": {"warmup_steps": 9, "lr": 0.1}})
         >>> with_config_keys("`batch_size` must be an integer ≥ 1, got -4", cfg)
         '`data.batch_size` must be an integer ≥ 1, got -4'
+        >>> cfg = OmegaConf.create({"trainer": {"precision": "32"}, "knobs": {"precision": "fp8"}})
+        >>> with_config_keys("Unknown `precision`='fp8'", cfg, ["knobs={precision:fp8}"])
+        "Unknown `knobs.precision`='fp8'"
     """
     keys = [key for key in dotted_keys(cfg) if not key.startswith("hydra.")]
     typed = [override.split("=", 1)[0].lstrip("+~") for override in overrides]
@@ -132,7 +137,7 @@ def with_config_keys(message: str, cfg: DictConfig, overrides: Sequence[str] = (
         if name in keys:
             return found.group(0)
         ending = [key for key in keys if key.endswith(f".{name}")]
-        chosen = [key for key in ending if key in typed] or ending
+        chosen = [key for key in ending if any(key == t or key.startswith(f"{t}.") for t in typed)] or ending
         return f"`{chosen[0]}`" if len(chosen) == 1 else found.group(0)
 
     return re.sub(r"`(\w+)`", full_key, message)

@@ -34,6 +34,7 @@ def write_job_summary(folder: str | Path, overrides: list[str], summary: Any, ob
         "overrides": " ".join(overrides),
         "objective": objective,
         "peak_memory_bytes": summary.peak_memory_bytes,
+        "peak_rss_bytes": summary.peak_rss_bytes,
         "samples_per_second": summary.samples_per_second,
         "final_loss": summary.final_loss,
     }
@@ -61,7 +62,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             str(row["job"]),
             " ".join(o for o in own if o not in shared) or "(none)",
             row["objective"] or "n/a",
-            "n/a" if row["peak_memory_bytes"] is None else format_bytes(row["peak_memory_bytes"]),
+            _peak(row),
             f"{row['samples_per_second']:.1f}",
             "n/a" if row["final_loss"] is None else f"{row['final_loss']:.4f}",
         ]
@@ -69,6 +70,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     ]
     lines = aligned_table(header, body, left=frozenset({1, 2}))  # the text columns; numbers align right
     return "\n".join([*lines, *([f"every job: {' '.join(shared)}"] if shared else [])])
+
+
+def _peak(row: dict[str, Any]) -> str:
+    """A job's peak tensor bytes, else its process's peak resident set size (marked), else ``n/a``."""
+    if row["peak_memory_bytes"] is not None:
+        return format_bytes(row["peak_memory_bytes"])
+    rss = row.get("peak_rss_bytes")  # (absent from summaries written by earlier versions)
+    return "n/a" if rss is None else f"{format_bytes(rss)} resident"
 
 
 class MultirunTable(Callback):

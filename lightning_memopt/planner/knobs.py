@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -237,15 +238,16 @@ def train_command(overrides: list[str], knobs: Knobs) -> str:
         >>> command.split()[1:5]
         ['model=sapiens_2b', 'strategy=fsdp_memopt', 'trainer.devices=1', 'trainer.strategy.cpu_offload=true']
     """
-    kept = [o for o in overrides if o.split("=")[0].lstrip("+~") not in ("gpu", "budget", "devices", "safety_margin")]
-    kept = [o for o in kept if not o.startswith(("plan.", "precision=", "memopt=", "knobs="))]
+    planned_here = ("gpu=", "budget=", "devices=", "safety_margin=", "plan.", "precision=", "memopt=", "knobs=")
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(planned_here)]
     extra = []
     if knobs.sharding.active:
-        kept = [o for o in kept if not o.startswith(("strategy=", "trainer.devices=", "trainer.strategy."))]
+        sharding = ("strategy=", "trainer.devices=", "trainer.strategy.")
+        kept = [o for o in kept if not o.lstrip("+~").startswith(sharding)]
         extra = ["strategy=fsdp_memopt", f"trainer.devices={knobs.shards}"]
         extra += ["trainer.strategy.cpu_offload=true"] if knobs.cpu_offload else []
         extra += ["precision=bf16_mixed"] if knobs.precision == "bf16-mixed" else []  # (16-mixed: PrecisionSwitch)
-    return " ".join(["memopt-train", *kept, *extra, shlex.quote(knobs_override(knobs))])
+    return " ".join(["memopt-train", *map(shlex.quote, [*kept, *extra, knobs_override(knobs)])])
 
 
 def knobs_override(knobs: Knobs) -> str:
@@ -253,9 +255,9 @@ def knobs_override(knobs: Knobs) -> str:
 
     Example::
 
-        >>> knobs_override(Knobs("32-true", micro_batch_size=8, checkpoint_blocks=[("blocks.0", "full")],
+        >>> knobs_override(Knobs("32-true", micro_batch_size=8, checkpoint_blocks=[("blocks.0", "full"), ("1", "lean")],
         ...                      checkpoint="per_block"))
-        'knobs={precision:32-true,checkpoint:per_block,micro_batch_size:8,checkpoint_blocks:[[blocks.0,full]]}'
+        'knobs={precision:32-true,checkpoint:per_block,micro_batch_size:8,checkpoint_blocks:[[blocks.0,full],["1",lean]]}'
     """
     defaults = Knobs().as_dict()
     values = {key: value for key, value in knobs.as_dict().items() if key == "precision" or value != defaults[key]}
@@ -263,7 +265,13 @@ def knobs_override(knobs: Knobs) -> str:
 
 
 def _hydra_value(value: Any) -> str:
-    """A knob's value as a Hydra override writes it (block modes as a list of pairs)."""
+    """A knob's value as a Hydra override writes it (block modes as a list of pairs; a block name that Hydra would
+    read as another type, ``0`` or ``true``, or that holds a character of its grammar, in double quotes)."""
     if isinstance(value, tuple):
-        return "[" + ",".join(f"[{name},{mode}]" for name, mode in value) + "]"
+        return "[" + ",".join(f"[{_hydra_string(name)},{mode}]" for name, mode in value) + "]"
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _hydra_string(text: str) -> str:
+    plain = re.fullmatch(r"[A-Za-z_*?][\w.*?-]*", text) and text.lower() not in ("true", "false", "null", "nan", "inf")
+    return text if plain else '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

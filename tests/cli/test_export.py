@@ -58,7 +58,7 @@ def test_export_of_a_bare_state_dict_needs_the_preset(tmp_path):
         ),
         pytest.param(
             "model.optimizer=lamb",
-            "memopt-train: Unknown `optimizer`='lamb'; valid choices: sgd, adamw",
+            "memopt-train: Unknown `model.optimizer`='lamb'; valid choices: sgd, adamw",
             marks=pytest.mark.slow,
         ),
     ],

@@ -23,6 +23,13 @@ def test_the_table_reads_every_finished_job_in_order(tmp_path):
     assert lines[1].split() == ["2", "seed=2", "n/a", "n/a", "3.0", "1.0000"]
 
 
+def test_a_job_with_only_the_process_peak_shows_it_marked_resident():
+    figures = {"job": 0, "overrides": "seed=1", "objective": "", "samples_per_second": 3.0, "final_loss": None}
+    row = {**figures, "peak_memory_bytes": None, "peak_rss_bytes": 3 * 2**29}
+    assert "1.50 GiB resident" in format_table([row])
+    assert " n/a " in format_table([{**figures, "peak_memory_bytes": None}])  # a summary of an earlier version
+
+
 @pytest.mark.slow
 def test_memopt_train_multirun_ends_with_the_table_of_its_jobs(tmp_path):
     done = run_memopt_train(["-m", *TINY_FACE, "seed=1,2", f"paths.log_dir={tmp_path}"], tmp_path, timeout=600)

@@ -21,7 +21,7 @@ def test_memopt_plan_prints_the_candidates_the_choice_and_its_command_and_writes
     answer, table = out.split("\n\n", 1)  # the answer first: the choice and its command, then the table
     assert answer.splitlines()[1].startswith("chosen: ") and "candidate" in table and "peak MiB" in table
     command = answer.split("run it with:\n")[1].strip()
-    assert command.startswith("memopt-train model=sapiens_tiny data.image_size=[64,48] data.batch_size=2 ")
+    assert command.startswith("memopt-train model=sapiens_tiny 'data.image_size=[64,48]' data.batch_size=2 ")
     assert "data=synthetic_normals" in command and command.split()[-1].startswith("'knobs={precision:")
     assert "budget=" not in command.replace("compile_budget", "") and len(command) < 250
     header = table.splitlines()[0].split()

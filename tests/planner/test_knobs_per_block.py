@@ -62,3 +62,13 @@ def test_one_mode_on_every_block_is_that_mode():
 def test_bad_per_block_knobs_are_refused_naming_the_argument(arguments, message):
     with pytest.raises(ValueError, match=message):
         Knobs(**arguments)
+
+
+def test_block_names_hydra_would_read_as_another_type_come_back_as_names():
+    names = ["0", "true", "null", "1e5", "a b", 'x"y', "*.attn", "stage-1"]
+    knobs = Knobs(checkpoint="per_block", checkpoint_blocks=[(name, "full") for name in names])
+    command = train_command(["model=r100", "data.image_size=[64,48]", "+knobs={precision:fp8}"], knobs)
+    arguments = shlex.split(command)[1:]  # as the shell passes them
+    assert arguments[:2] == ["model=r100", "data.image_size=[64,48]"] and len(arguments) == 3
+    parsed = OverridesParser.create().parse_override(arguments[-1])
+    assert Knobs.from_mapping(parsed.value()) == knobs

@@ -8,9 +8,9 @@ offloaded every saved tensor. ``calibration/cost_model_h200.py`` prices that imp
 counts. Each case is profiled in fake mode by the checkout the script runs in (its own ``lightning_memopt`` and
 ``truth_cases``; about 40 s), so run it inside a checkout of that commit::
 
-    git worktree add /tmp/h200-tree 11b0cf0
-    cd /tmp/h200-tree && python ~/main/benchmarks/calibration/archive/h200_implementation_work.py \\
-        --csv ~/main/benchmarks/calibration/archive/h200_implementation_work.csv
+    git worktree add /tmp/h200-tree 11b0cf0     # from the repository root
+    cd /tmp/h200-tree && python "$OLDPWD/benchmarks/calibration/archive/h200_implementation_work.py" \\
+        --csv "$OLDPWD/benchmarks/calibration/archive/h200_implementation_work.csv"
 
 It imports that tree's own ``benchmarks/truth_cases.py`` (today's ``benchmarks/gpu_truth/cases.py``), so today's
 checkout cannot run it; ``h200_implementation_work.csv`` beside it is what it counted there.
