@@ -175,9 +175,9 @@ class Plan:
         if not candidate.fits and not verbose:
             how += f"; over the budget by {(candidate.peak_bytes - self.limit_bytes) / scale:.2f}"
         if trials:
-            cells += _trial_columns(trials.get(candidate.knobs), scale)
-            how += "" if not cells[-1] else f"; {cells[-1]}"
-            cells.pop()
+            *measured, note = _trial_columns(trials.get(candidate.knobs), scale)
+            cells += measured
+            how += f"; {note}" if note else ""
         return [*cells, "yes" if candidate.fits else "no", how]
 
     def _chosen_lines(self, scale: int, unit: str) -> list[str]:
